@@ -1,0 +1,176 @@
+"""The `eagle3q` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="EAGLE-3 training data from vLLM, on Celery + Redis."
+)
+
+ROLES = {
+    # role: (queue, pool). Inference is I/O bound: threads. GPU roles run one task at a time in the main process
+    # (solo): the model is loaded once per process and CUDA never meets fork.
+    "inference": ("inference", "threads"),
+    "hidden_states": ("hidden_states", "solo"),
+    "train": ("train", "solo"),
+}
+
+
+def _ledger():  # noqa: ANN202
+    from eagle3q.config import get_settings
+    from eagle3q.ledger import Ledger
+
+    return Ledger.from_url(get_settings().broker_url())
+
+
+@app.command()
+def enqueue(
+    dataset: Path = typer.Argument(..., help="JSONL / parquet file, HF datasets dir, or a dir of such files"),
+    run: str = typer.Option("default", help="run name: ids, counts and the store are per run"),
+    max_samples: int | None = typer.Option(None, help="stop after this many prompts"),
+    dataset_name: str | None = typer.Option(None, help="name used in sample ids (default: the path's name)"),
+    split: str = typer.Option("train", help="split of an HF DatasetDict directory"),
+    resend_pending: bool = typer.Option(False, help="send again tasks of ids enqueued but not finished"),
+    train_target: int | None = typer.Option(None, help="samples with hidden states that trigger training"),
+    max_prompt_chars: int = typer.Option(200_000, help="rows with longer prompts are reported, not enqueued"),
+) -> None:
+    """Enqueue one inference task per prompt (each assistant turn of each row)."""
+    from eagle3q.celery_app import app as celery_app
+    from eagle3q.config import get_settings
+    from eagle3q.hidden_estimate import estimate_for_run
+    from eagle3q.producer import enqueue as do_enqueue
+    from eagle3q.schemas import RUN_NAME
+    from eagle3q.sources import DatasetError
+
+    if not RUN_NAME.match(run):
+        raise typer.BadParameter("run names are 1-64 characters of letters, digits, '_', '.', '-'")
+    s = get_settings()
+    try:
+        rep = do_enqueue(celery_app, _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
+                         max_prompt_chars, train_target)
+    except DatasetError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"run {run}: {rep.enqueued} enqueued, {rep.skipped_known} already known, "
+               f"{len(rep.bad_rows)} bad rows, {rep.resent_pending} re-sent ({rep.rate:.0f} tasks/s)")
+    for b in rep.bad_rows[:20]:
+        typer.echo(f"  row {b.row}: {b.reason}")
+    if len(rep.bad_rows) > 20:
+        typer.echo(f"  ... and {len(rep.bad_rows) - 20} more (eagle3q bad-rows --run {run})")
+    est = estimate_for_run(s, rep.prompts)
+    if est:
+        typer.echo(est)
+
+
+@app.command("bad-rows")
+def bad_rows(run: str = typer.Option("default")) -> None:
+    """The data-set rows that were not enqueued, with their reasons."""
+    ledger = _ledger()
+    rows = ledger.r.hgetall(ledger.k(run, "bad_rows"))
+    for row, reason in sorted(rows.items(), key=lambda kv: int(kv[0])):
+        typer.echo(f"row {row}: {reason}")
+
+
+@app.command()
+def status(
+    run: str = typer.Option("default"),
+    watch: bool = typer.Option(False, help="refresh every 2 s"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+) -> None:
+    """Counts per stage (they always add up), rejections by reason, req/s, tokens/s, ETA, bytes stored."""
+    from eagle3q.status import show, snapshot
+
+    ledger = _ledger()
+    if as_json:
+        typer.echo(json.dumps(snapshot(ledger, run), indent=1, default=str))
+        return
+    show(ledger, run, watch=watch)
+
+
+@app.command()
+def worker(
+    role: str = typer.Argument(..., help="inference | hidden_states | train"),
+    concurrency: int = typer.Option(None, "-c", "--concurrency", help="threads (inference); GPU roles use 1"),
+    name: str = typer.Option(None, help="worker node name"),
+    loglevel: str = typer.Option("INFO"),
+) -> None:
+    """Start a Celery consumer for one role (the same as the plain `celery ... worker` command it runs)."""
+    if role not in ROLES:
+        raise typer.BadParameter(f"role must be one of {sorted(ROLES)}")
+    queue, pool = ROLES[role]
+    from eagle3q.config import get_settings
+
+    c = concurrency or (get_settings().inflight_limit if role == "inference" else 1)
+    if pool == "solo":
+        c = 1
+    args = [sys.executable, "-m", "celery", "-A", "eagle3q.celery_app", "worker", "-Q", queue, "-P", pool,
+            "-c", str(c), "-E", "--prefetch-multiplier", "1", "--without-gossip", "--without-mingle",
+            "-n", f"{name or role}@%h", "--loglevel", loglevel]
+    os.execv(sys.executable, args)
+
+
+@app.command()
+def sim(
+    tokenizer: str = typer.Option(..., help="tokenizer path (tokenizer.json or its directory)"),
+    profile: str = typer.Option("kimi_k2"),
+    model: str = typer.Option("moonshotai/Kimi-K2.5", help="served model name"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    ttft: float = typer.Option(0.05, help="time to first token, s"),
+    itl: float = typer.Option(0.002, help="inter-token latency, s"),
+    max_num_seqs: int = typer.Option(256, help="concurrent sequences; more requests wait"),
+    mean_output_tokens: int = typer.Option(200),
+    max_model_len: int = typer.Option(32768),
+    faults: str = typer.Option("", help="e.g. '5xx=0.1,429=0.05,timeout=0.02,drop=0.02,truncate=0.05,"
+                                        "missing_close=0.05,leak=0.05,null_ids=0.05'"),
+    seed: int = typer.Option(0),
+    reasoning_content: bool = typer.Option(False, help="also send the old `reasoning_content` field"),
+    hang_s: float = typer.Option(3600.0, help="how long a 'timeout' fault holds the request"),
+) -> None:
+    """Run the vLLM-compatible simulator."""
+    from eagle3q.sim.server import SimConfig, parse_faults, serve
+
+    cfg = SimConfig(tokenizer=tokenizer, profile=profile, model=model, ttft_s=ttft, itl_s=itl,
+                    max_num_seqs=max_num_seqs, mean_output_tokens=mean_output_tokens, max_model_len=max_model_len,
+                    faults=parse_faults(faults), seed=seed, expose_reasoning_content=reasoning_content, hang_s=hang_s)
+    typer.echo(f"simulator on http://{host}:{port}/v1 serving {model} ({profile})")
+    serve(cfg, host, port)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Path = typer.Argument(...),
+    tokenizer_only: bool = typer.Option(False, help="only the tokenizer (no torch needed)"),
+    layers: int = typer.Option(8),
+    hidden: int = typer.Option(64),
+) -> None:
+    """Build the tiny local target (tokenizer + random Llama) used by the demo and the tests."""
+    from eagle3q.tiny import build_model, build_tokenizer
+
+    build_tokenizer(out)
+    if not tokenizer_only:
+        build_model(out, layers=layers, hidden=hidden)
+    typer.echo(f"tiny target in {out}")
+
+
+@app.command()
+def exporter(port: int = typer.Option(9808)) -> None:
+    """Prometheus exporter of the ledger's run-wide counts."""
+    from eagle3q.metrics import serve_ledger_exporter
+
+    typer.echo(f"metrics on :{port}/metrics")
+    serve_ledger_exporter(_ledger(), port)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Settings: `EAGLE3Q_*` environment variables, then an optional TOML file (`EAGLE3Q_CONFIG`), then defaults.
+
+Secrets (Redis password, vLLM API key) are `SecretStr`: they come from the environment or the file and never show in
+repr, logs or `eagle3q status`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from pydantic import SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EAGLE3Q_", extra="ignore")
+
+    # --- broker / ledger ---
+    redis_url: str = "redis://localhost:6379/0"
+    redis_password: SecretStr | None = None
+    # The visibility clock starts at delivery, not at task start: keep it well above the longest generation.
+    visibility_timeout_s: int = 4 * 3600
+
+    # --- store ---
+    store_dir: Path = Path("var/store")
+
+    # --- vLLM ---
+    # Comma-separated in the environment (or a JSON list).
+    vllm_base_urls: Annotated[list[str], NoDecode] = ["http://localhost:8000/v1"]
+    vllm_api_key: SecretStr | None = None
+    model: str = "moonshotai/Kimi-K2.5"
+    profile: Literal["kimi_k2", "qwen3", "deepseek_r1"] = "kimi_k2"
+    thinking: bool = True
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 8192
+    request_timeout_s: float = 1800.0
+    # "reject": a generation cut by max_tokens is rejected with reason `truncated`; "keep": accepted but flagged.
+    truncation_policy: Literal["reject", "keep"] = "reject"
+    tokenizer: str = ""  # path or hub id of the target's tokenizer; required by the inference consumers
+    expose_reasoning_content: bool = False  # simulator only: also send the old `reasoning_content` field
+
+    # --- retries (transient errors only) ---
+    max_retries: int = 6
+    backoff_base_s: float = 2.0
+    backoff_max_s: float = 300.0
+
+    # --- in-flight control (shared across all consumers through Redis) ---
+    inflight_mode: Literal["off", "fixed", "adaptive"] = "off"
+    inflight_limit: int = 128
+    inflight_min: int = 4
+    inflight_max: int = 512
+
+    # --- hidden states ---
+    target_model: str = ""  # path or hub id of the target model (transformers backend)
+    hidden_backend: Literal["transformers", "vllm"] = "transformers"
+    aux_layer_ids: Annotated[list[int] | None, NoDecode] = None  # vLLM convention: id 0 = embeddings, id k = output of layer k-1
+    device: str = "cpu"
+    dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    token_budget: int = 16384  # tokens per forward (padded batch size x longest)
+    hidden_vllm_url: str = "http://localhost:8001/v1"
+
+    # --- training ---
+    train_target: int = 0  # samples with hidden states that trigger training; 0 = all accepted once the run drains
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    epochs: int = 2
+    lr: float = 1e-4
+    warmup_ratio: float = 0.05
+    grad_clip: float = 0.5
+    max_len: int = 4096
+    checkpoint_every: int = 200
+    seed: int = 0
+
+    # --- metrics ---
+    metrics_port: int = 0  # 0 = no Prometheus exporter in workers
+
+    @field_validator("vllm_base_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [u.strip() for u in v.split(",") if u.strip()]
+        return v
+
+    @field_validator("aux_layer_ids", mode="before")
+    @classmethod
+    def _split_ids(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v.strip():
+                return None
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [int(u) for u in v.split(",") if u.strip()]
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get("EAGLE3Q_CONFIG")
+        if path:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"EAGLE3Q_CONFIG points to {path!r}, which is not a file")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    def broker_url(self) -> str:
+        """The Redis URL with the password put in (for Celery and redis-py). Never log this; log `redacted_url`."""
+        if self.redis_password is None:
+            return self.redis_url
+        parts = urlsplit(self.redis_url)
+        host = parts.hostname or "localhost"
+        netloc = f":{quote(self.redis_password.get_secret_value(), safe='')}@{host}"
+        if parts.port:
+            netloc += f":{parts.port}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+    def redacted_url(self) -> str:
+        parts = urlsplit(self.redis_url)
+        host = parts.hostname or "localhost"
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit((parts.scheme, f"{host}{port}", parts.path, "", ""))
+
+
+SETTING_FIELDS: frozenset[str] = frozenset(Settings.model_fields)
+ENV_KEYS: frozenset[str] = frozenset(f"EAGLE3Q_{name.upper()}" for name in Settings.model_fields) | {"EAGLE3Q_CONFIG"}
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reload_settings() -> Settings:
+    get_settings.cache_clear()
+    return get_settings()
+
+
+def field_doc() -> list[tuple[str, str, str]]:
+    """(env key, type, default) for every setting: the README's table is generated from this."""
+    rows = []
+    for name, f in Settings.model_fields.items():
+        default = f.default if f.default is not None else ""
+        rows.append((f"EAGLE3Q_{name.upper()}", str(f.annotation).replace("typing.", ""), str(default)))
+    return rows
+

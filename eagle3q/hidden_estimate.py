@@ -1,0 +1,34 @@
+"""The storage estimate of hidden states for a run, from the target's config.json (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3q.config import Settings
+
+BF16 = 2
+
+
+def bytes_per_token(hidden_size: int, n_aux: int = 3) -> int:
+    # aux [3H] + final [H] in bf16, plus input id (int64) and loss mask (uint8)
+    return BF16 * hidden_size * (n_aux + 1) + 8 + 1
+
+
+def target_hidden_size(target: str) -> int | None:
+    cfg = Path(target) / "config.json"
+    if not target or not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    data = data.get("text_config", data)  # multimodal wrappers (Kimi-K2.5) nest the language model's config
+    return int(data["hidden_size"]) if "hidden_size" in data else None
+
+
+def estimate_for_run(s: Settings, prompts: int, tokens_per_sample: int | None = None) -> str | None:
+    h = target_hidden_size(s.target_model)
+    if h is None or prompts == 0:
+        return None
+    per_sample = tokens_per_sample or (s.max_tokens // 2 + 512)
+    total = prompts * per_sample * bytes_per_token(h)
+    return (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {bytes_per_token(h)} B/token "
+            f"(H={h}) = {total / 1e9:.2f} GB")

@@ -1,0 +1,153 @@
+"""Local processes for the demo, the tests and the benchmarks: a redis-server on a free port, the simulator, and
+Celery workers, each a real process that can be killed and restarted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout_s: float, what: str, every_s: float = 0.1) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001, S110 - not up yet
+            pass
+        time.sleep(every_s)
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s")
+
+
+def redis_server_binary() -> str:
+    path = shutil.which("redis-server")
+    if not path:
+        raise RuntimeError("redis-server not found: install it (apt-get install redis-server)")
+    return path
+
+
+@dataclass
+class RedisServer:
+    workdir: Path
+    password: str | None = None
+    appendonly: bool = True
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.workdir / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, password=self.password)
+        wait_until(client.ping, 20, "redis-server")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def restart(self, down_s: float = 1.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+def spawn(name: str, args: list[str], env: dict[str, str], logdir: Path) -> Proc:
+    logdir.mkdir(parents=True, exist_ok=True)
+    log = logdir / f"{name}.log"
+    f = log.open("ab")
+    proc = subprocess.Popen(args, env=child_env(env), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return Proc(name, proc, log)
+
+
+def start_sim(tokenizer: str, logdir: Path, env: dict[str, str] | None = None, port: int | None = None,
+              extra: list[str] | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    args = [sys.executable, "-m", "eagle3q.cli", "sim", "--tokenizer", tokenizer, "--port", str(port), *(extra or [])]
+    proc = spawn(f"sim-{port}", args, env or {}, logdir)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, 60, "simulator")
+    return proc, f"{base}/v1"
+
+
+def start_worker(role: str, env: dict[str, str], logdir: Path, concurrency: int = 4, name: str | None = None,
+                 extra: list[str] | None = None) -> Proc:
+    name = name or f"{role}-{free_port()}"
+    args = [sys.executable, "-m", "eagle3q.cli", "worker", role, "-c", str(concurrency), "--name", name,
+            *(extra or [])]
+    return spawn(name, args, env, logdir)
+
+
+def wait_worker_ready(proc: Proc, timeout_s: float = 90) -> None:
+    def ready() -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"worker {proc.name} exited: {proc.log.read_text()[-3000:]}")
+        return "ready." in proc.log.read_text(errors="replace")
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"worker {proc.name} not ready: {proc.log.read_text()[-3000:]}")

@@ -1,0 +1,128 @@
+"""The producer: one inference task per prompt, with stable sample ids. A re-run enqueues nothing already finished or
+queued; bad rows are counted and reported with their row numbers, and never stop the run."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3q.celery_app import TASK_GENERATE
+from eagle3q.config import Settings
+from eagle3q.ids import sample_id
+from eagle3q.ledger import Ledger
+from eagle3q.schemas import InferenceTask, Message, Sampling
+from eagle3q.sources import BadRow, Prompt, iter_prompts
+
+BATCH = 500
+
+
+@dataclass
+class EnqueueReport:
+    run: str
+    enqueued: int = 0
+    skipped_known: int = 0
+    prompts: int = 0
+    bad_rows: list[BadRow] = field(default_factory=list)
+    resent_pending: int = 0
+    seconds: float = 0.0
+    estimate_bytes: int | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.enqueued / self.seconds if self.seconds > 0 else 0.0
+
+
+def _task(p: Prompt, run: str, dataset: str, s: Settings, sampling: Sampling) -> InferenceTask:
+    sid = sample_id(dataset, p.row, p.turn, s.model, {**sampling.model_dump(), "thinking": s.thinking}, p.messages)
+    return InferenceTask(
+        run=run, sample_id=sid, dataset=dataset, row=p.row, turn=p.turn, model=s.model, profile=s.profile,
+        thinking=s.thinking, sampling=sampling, messages=[Message(**m) for m in p.messages],
+    )
+
+
+def enqueue(
+    app,  # noqa: ANN001 - the Celery app
+    ledger: Ledger,
+    settings: Settings,
+    dataset_path: Path,
+    run: str,
+    max_samples: int | None = None,
+    dataset_name: str | None = None,
+    split: str = "train",
+    resend_pending: bool = False,
+    max_prompt_chars: int = 200_000,
+    train_target: int | None = None,
+) -> EnqueueReport:
+    dataset = dataset_name or dataset_path.name
+    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens)
+    report = EnqueueReport(run=run)
+    ledger.set_meta(run, model=settings.model, profile=settings.profile, dataset=dataset, enqueue_complete=0,
+                    train_target=settings.train_target if train_target is None else train_target,
+                    started=time.time())
+    t0 = time.monotonic()
+    batch: list[InferenceTask] = []
+    seen: set[str] = set()
+
+    def flush() -> None:
+        known = ledger.known(run, [t.sample_id for t in batch])
+        fresh = [t for t, k in zip(batch, known, strict=True) if not k]
+        report.skipped_known += len(batch) - len(fresh)
+        with app.producer_or_acquire() as producer:
+            for t in fresh:
+                app.send_task(TASK_GENERATE, args=[t.model_dump()], producer=producer)
+        # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
+        # instead of leaving ids recorded that were never sent.
+        ledger.add_enqueued(run, [t.sample_id for t in fresh])
+        report.enqueued += len(fresh)
+        batch.clear()
+
+    for item in iter_prompts(dataset_path, max_prompt_chars=max_prompt_chars, split=split):
+        if isinstance(item, BadRow):
+            report.bad_rows.append(item)
+            continue
+        if max_samples is not None and report.prompts >= max_samples:
+            break
+        task = _task(item, run, dataset, settings, sampling)
+        if task.sample_id in seen:  # the same prompt twice in one data set is one sample
+            continue
+        seen.add(task.sample_id)
+        report.prompts += 1
+        batch.append(task)
+        if len(batch) >= BATCH:
+            flush()
+    if batch:
+        flush()
+
+    if resend_pending:
+        report.resent_pending = resend(app, ledger, settings, dataset_path, run, dataset, split, max_prompt_chars)
+
+    if report.bad_rows:
+        bad = {str(b.row): b.reason for b in report.bad_rows}
+        ledger.r.hset(ledger.k(run, "bad_rows"), mapping=bad)
+    ledger.set_meta(run, enqueue_complete=1, bad_rows=len(report.bad_rows))
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, dataset: str, split: str,  # noqa: ANN001
+           max_prompt_chars: int) -> int:
+    """Send again the tasks of ids enqueued but in no terminal place (e.g. a broker that lost its queue)."""
+    pending = ledger.pending_ids(run, "inference")
+    if not pending:
+        return 0
+    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens)
+    n = 0
+    for item in iter_prompts(path, max_prompt_chars=max_prompt_chars, split=split):
+        if isinstance(item, Prompt):
+            task = _task(item, run, dataset, settings, sampling)
+            if task.sample_id in pending:
+                app.send_task(TASK_GENERATE, args=[task.model_dump()])
+                pending.discard(task.sample_id)
+                n += 1
+    return n
+
+
+def bad_rows_json(report: EnqueueReport) -> str:
+    return json.dumps([{"row": b.row, "reason": b.reason} for b in report.bad_rows], indent=1)

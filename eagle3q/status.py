@@ -1,0 +1,119 @@
+"""`eagle3q status`: per stage, what came in, what is done, rejected (by reason) and still queued; rates and ETA.
+
+The counts add up by construction: pending = incoming - done - rejected, all read from the same ledger."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from eagle3q.ledger import STAGES, Ledger, StageCounts
+
+
+def _fmt_eta(eta: float | None) -> str:
+    if eta is None:
+        return "-"
+    if eta <= 0:
+        return "done"
+    h, rem = divmod(int(eta), 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def snapshot(ledger: Ledger, run: str) -> dict:
+    """Everything `status` shows, as plain data (also what `status --json` prints)."""
+    stages = {s: ledger.counts(run, s) for s in STAGES}
+    meta = ledger.meta(run)
+    out: dict = {"run": run, "meta": meta, "stages": {}, "train": ledger.train_progress(run),
+                 "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0)}
+    for name, c in stages.items():
+        gen_tokens = c.stats.get("completion_tokens", 0)
+        tokens = c.stats.get("tokens", 0)
+        out["stages"][name] = {
+            "incoming": c.incoming, "done": c.done, "rejected": c.rejected, "pending": c.pending,
+            "reasons": c.reasons, "rate_per_s": round(c.rate, 3), "eta_s": c.eta_s,
+            "generated_tokens": gen_tokens, "prompt_tokens": c.stats.get("prompt_tokens", 0),
+            "tokens_per_s": round(_token_rate(c), 1), "bytes": c.stats.get("bytes", 0),
+            "bytes_per_token": round(c.stats.get("bytes", 0) / tokens, 1) if tokens else None,
+            "retries": {k[6:]: v for k, v in c.stats.items() if k.startswith("retry_")},
+            "store_errors": c.stats.get("store_errors", 0),
+        }
+    return out
+
+
+def _token_rate(c: StageCounts) -> float:
+    done = c.done or 1
+    per_sample = (c.stats.get("completion_tokens", 0) or c.stats.get("tokens", 0)) / done
+    return c.rate * per_sample
+
+
+def render(snap: dict) -> Group:
+    t = Table(title=f"eagle3q run [bold]{snap['run']}[/bold]", expand=False)
+    for col in ("stage", "in", "done", "rejected", "queued", "req/s", "tok/s", "ETA", "stored"):
+        t.add_column(col, justify="right" if col != "stage" else "left")
+    for name, st in snap["stages"].items():
+        stored = _fmt_bytes(st["bytes"]) if st["bytes"] else "-"
+        if st["bytes_per_token"]:
+            stored += f" ({st['bytes_per_token']:.0f} B/tok)"
+        t.add_row(name, str(st["incoming"]), str(st["done"]), str(st["rejected"]), str(st["pending"]),
+                  f"{st['rate_per_s']:.2f}", f"{st['tokens_per_s']:.0f}", _fmt_eta(st["eta_s"]), stored)
+    parts: list = [t]
+    reasons = Table(title="rejected by reason", expand=False)
+    reasons.add_column("stage")
+    reasons.add_column("reason")
+    reasons.add_column("count", justify="right")
+    any_reason = False
+    for name, st in snap["stages"].items():
+        for reason, n in sorted(st["reasons"].items(), key=lambda kv: -kv[1]):
+            reasons.add_row(name, reason, str(n))
+            any_reason = True
+    if any_reason:
+        parts.append(reasons)
+    extra = []
+    if snap["bad_rows"]:
+        extra.append(f"bad data-set rows (not enqueued): {snap['bad_rows']} (see `eagle3q bad-rows`)")
+    retries = snap["stages"]["inference"]["retries"]
+    if retries:
+        extra.append("transient errors retried: " + ", ".join(f"{k}={v}" for k, v in sorted(retries.items())))
+    for name, st in snap["stages"].items():
+        if st["store_errors"]:
+            extra.append(f"[red]store write errors in {name}: {st['store_errors']} (tasks kept and retried)[/red]")
+    tr = snap["train"]
+    if tr:
+        line = f"training: {tr.get('state', '?')} step {tr.get('step', 0)}/{tr.get('total_steps', '?')}"
+        if "loss" in tr:
+            line += f" loss {float(tr['loss']):.4f}"
+        if "acc" in tr:
+            line += f" acc@ttt {tr['acc']}"
+        if "acceptance" in tr:
+            line += f" | mean acceptance length {tr['acceptance']}"
+        extra.append(line)
+    elif snap["train_fired"]:
+        extra.append("training: triggered, waiting for a trainer")
+    parts.extend(extra)
+    return Group(*parts)
+
+
+def show(ledger: Ledger, run: str, watch: bool = False, every_s: float = 2.0, console: Console | None = None) -> None:
+    # Piped output (CI logs, files) gets a wide table instead of rich's 80-column default.
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    if not watch:
+        console.print(render(snapshot(ledger, run)))
+        return
+    from rich.live import Live
+
+    with Live(render(snapshot(ledger, run)), console=console, refresh_per_second=2) as live:
+        while True:
+            time.sleep(every_s)
+            live.update(render(snapshot(ledger, run)))

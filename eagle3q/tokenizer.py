@@ -1,0 +1,65 @@
+"""A thin tokenizer interface over the `tokenizers` library (fast, no torch), with a transformers fallback for
+tokenizers that need remote code (Kimi's TikToken tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class FastTokenizer:
+    """`tokenizer.json` through the Rust `tokenizers` library: special tokens in text parse as single tokens."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class HFTokenizer:
+    """transformers' AutoTokenizer, for tokenizers without a tokenizer.json (e.g. Kimi's, trust_remote_code)."""
+
+    def __init__(self, spec: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=True)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self._tok.convert_tokens_to_ids(token)
+        return None if tid is None or tid == self._tok.unk_token_id else int(tid)
+
+
+def load_tokenizer(spec: str) -> TokenizerLike:
+    if not spec:
+        raise ValueError("no tokenizer configured: set EAGLE3Q_TOKENIZER to the target's tokenizer (path or hub id)")
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".json":
+        return FastTokenizer(path)
+    if (path / "tokenizer.json").is_file():
+        return FastTokenizer(path / "tokenizer.json")
+    return HFTokenizer(spec)

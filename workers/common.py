@@ -1,0 +1,38 @@
+"""What every consumer role shares: refusing malformed payloads, and the worker-side metrics exporter."""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeVar
+
+from celery.signals import worker_ready
+from pydantic import BaseModel, ValidationError
+
+from eagle3q.config import get_settings
+from eagle3q.metrics import METRICS
+
+log = logging.getLogger("eagle3q.workers")
+M = TypeVar("M", bound=BaseModel)
+
+
+class RefusedPayload(Exception):
+    pass
+
+
+def parse_payload(model: type[M], payload: object) -> M:
+    """Validate a message against its schema. A forged or malformed message is refused (logged, acknowledged, never
+    executed), so it cannot loop through redelivery either."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as e:
+        fields = sorted({".".join(str(p) for p in err["loc"]) for err in e.errors()})
+        log.error("refused a %s message that fails validation (fields: %s)", model.__name__, ", ".join(fields))
+        raise RefusedPayload(f"{model.__name__}: invalid fields {fields}") from None
+
+
+@worker_ready.connect
+def _serve_metrics(**_: object) -> None:
+    port = get_settings().metrics_port
+    if port:
+        METRICS.serve(port)
+        log.info("worker metrics on :%d/metrics", port)

@@ -1,0 +1,30 @@
+"""The trainer: `eagle3q worker train`. Runs the vocab mapping and the draft training once per run.
+
+Exactly once: the task is sent only by the ledger's `SET fired NX`; a redelivered copy (worker lost mid-training)
+resumes from the last checkpoint, and one arriving after the export finds it and does nothing."""
+
+from __future__ import annotations
+
+import logging
+
+from eagle3q.celery_app import TASK_TRAIN, app
+from eagle3q.config import get_settings
+from eagle3q.schemas import RunRef
+from workers.common import RefusedPayload, parse_payload
+
+log = logging.getLogger("eagle3q.workers.train")
+
+
+@app.task(name=TASK_TRAIN, bind=True, max_retries=None)
+def train(self, payload: dict) -> str:  # noqa: ANN001
+    try:
+        ref = parse_payload(RunRef, payload)
+    except RefusedPayload as e:
+        return f"refused: {e}"
+    from eagle3q.ledger import Ledger
+    from eagle3q.store import Store
+    from eagle3q.train import train_run
+
+    s = get_settings()
+    result = train_run(ref.run, s, Store(s.store_dir), Ledger.from_url(s.broker_url()))
+    return result.summary()
