@@ -132,13 +132,15 @@ def sim(
     seed: int = typer.Option(0),
     reasoning_content: bool = typer.Option(False, help="also send the old `reasoning_content` field"),
     hang_s: float = typer.Option(3600.0, help="how long a 'timeout' fault holds the request"),
+    target_model: str = typer.Option("", help="generate greedily with this local model (needs torch)"),
 ) -> None:
     """Run the vLLM-compatible simulator."""
     from eagle3q.sim.server import SimConfig, parse_faults, serve
 
     cfg = SimConfig(tokenizer=tokenizer, profile=profile, model=model, ttft_s=ttft, itl_s=itl,
                     max_num_seqs=max_num_seqs, mean_output_tokens=mean_output_tokens, max_model_len=max_model_len,
-                    faults=parse_faults(faults), seed=seed, expose_reasoning_content=reasoning_content, hang_s=hang_s)
+                    faults=parse_faults(faults), seed=seed, expose_reasoning_content=reasoning_content, hang_s=hang_s,
+                    target_model=target_model)
     typer.echo(f"simulator on http://{host}:{port}/v1 serving {model} ({profile})")
     serve(cfg, host, port)
 
@@ -157,6 +159,83 @@ def tiny_model(
     if not tokenizer_only:
         build_model(out, layers=layers, hidden=hidden)
     typer.echo(f"tiny target in {out}")
+
+
+@app.command()
+def demo(
+    workdir: Path = typer.Option(Path("var/demo"), help="where the tiny target, store, Redis data and logs go"),
+    max_samples: int | None = typer.Option(None, help="fewer prompts for a quicker look"),
+) -> None:
+    """The whole pipeline locally on the bundled data set and a tiny target (what `make demo` runs)."""
+    from eagle3q.demo import run_demo
+
+    raise typer.Exit(run_demo(workdir, max_samples))
+
+
+@app.command()
+def vocab(
+    run: str = typer.Option("default"),
+    draft_vocab_size: int | None = typer.Option(None, help="default: EAGLE3Q_DRAFT_VOCAB_SIZE"),
+) -> None:
+    """Build the draft vocabulary (d2t / t2d) from a run's hidden-state files by hand."""
+    from eagle3q.config import get_settings
+    from eagle3q.store import Store
+    from eagle3q.target_weights import target_config
+    from eagle3q.train import build_vocab
+
+    s = get_settings()
+    store = Store(s.store_dir)
+    cfg = target_config(s.target_model)
+    cfg = cfg.get("text_config", cfg)
+    out = store.train_dir(run) / "vocab.safetensors"
+    out.unlink(missing_ok=True)
+    d2t, t2d, cov = build_vocab(store.hidden_files(run), int(cfg["vocab_size"]),
+                                draft_vocab_size or s.draft_vocab_size, out)
+    typer.echo(f"{out}: draft vocab {d2t.numel()} of {t2d.numel()} covers {100 * cov:.2f}% of loss tokens")
+
+
+@app.command()
+def train(run: str = typer.Option("default")) -> None:
+    """Train the draft on a run's hidden states by hand (resumes from its checkpoint)."""
+    import logging
+
+    from eagle3q.config import get_settings
+    from eagle3q.store import Store
+    from eagle3q.train import train_run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    s = get_settings()
+    typer.echo(train_run(run, s, Store(s.store_dir), _ledger()).summary())
+
+
+@app.command("eval-draft")
+def eval_draft(
+    export: Path = typer.Argument(..., help="exported draft directory (config.json + model.safetensors)"),
+    dataset: Path = typer.Option(None, help="prompts from this data set (default: the bundled sample)"),
+    prompts: int = typer.Option(8),
+    max_new: int = typer.Option(48),
+    baseline: bool = typer.Option(True, help="also measure an untrained draft"),
+) -> None:
+    """Greedy speculative decoding of the draft against its target: mean acceptance length for k = 1..5."""
+    from eagle3q.config import get_settings
+    from eagle3q.evaluate import evaluate
+    from eagle3q.profiles import get_profile
+    from eagle3q.sim.templates import render_prompt
+    from eagle3q.sources import Prompt, iter_prompts
+    from eagle3q.tiny import SAMPLE_DATASET
+    from eagle3q.tokenizer import load_tokenizer
+
+    s = get_settings()
+    tok = load_tokenizer(s.tokenizer or s.target_model)
+    profile = get_profile(s.profile)
+    ids = [tok.encode(render_prompt(profile, p.messages, s.thinking))
+           for p in iter_prompts(dataset or SAMPLE_DATASET) if isinstance(p, Prompt)][:prompts]
+    trained = evaluate(s.target_model, str(export), ids, max_new=max_new)
+    typer.echo("k  trained" + ("  untrained" if baseline else ""))
+    untrained = evaluate(s.target_model, None, ids, max_new=max_new, draft_vocab_size=s.draft_vocab_size) \
+        if baseline else {}
+    for k, v in trained.items():
+        typer.echo(f"{k}  {v:.3f}" + (f"    {untrained[k]:.3f}" if baseline else ""))
 
 
 @app.command()

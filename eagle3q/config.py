@@ -64,12 +64,11 @@ class Settings(BaseSettings):
 
     # --- hidden states ---
     target_model: str = ""  # path or hub id of the target model (transformers backend)
-    hidden_backend: Literal["transformers", "vllm"] = "transformers"
-    aux_layer_ids: Annotated[list[int] | None, NoDecode] = None  # vLLM convention: id 0 = embeddings, id k = output of layer k-1
+    # vLLM convention: id 0 = embeddings, id k = output of layer k-1. Default [2, L//2, L-3].
+    aux_layer_ids: Annotated[list[int] | None, NoDecode] = None
     device: str = "cpu"
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     token_budget: int = 16384  # tokens per forward (padded batch size x longest)
-    hidden_vllm_url: str = "http://localhost:8001/v1"
 
     # --- training ---
     train_target: int = 0  # samples with hidden states that trigger training; 0 = all accepted once the run drains

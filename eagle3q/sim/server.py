@@ -58,6 +58,9 @@ class SimConfig:
     seed: int = 0
     expose_reasoning_content: bool = False
     hang_s: float = 3600.0  # how long a "timeout" fault holds the request open
+    # A local transformers model to generate with (greedy), instead of text from the word bank: the samples are then
+    # the target's own generations, as when vLLM serves the target (the demo trains a draft on them).
+    target_model: str = ""
 
 
 @dataclass
@@ -82,6 +85,9 @@ class Simulator:
         self.waiting = 0
         self.counters = {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.counters.update({f"fault_{f}": 0 for f in FAULTS})
+        self.lm = _GreedyLM(cfg.target_model, self.ids) if cfg.target_model else None
+        self._gen_cache: dict[tuple, Generation] = {}
+        self._executor = None
 
     # --- deterministic generation -------------------------------------------------------------------------------
     def _prompt_fault(self, prompt: str, name: str) -> bool:
@@ -104,8 +110,13 @@ class Simulator:
         prompt_text = render_prompt(p, messages, thinking)
         prompt_ids = self.tok.encode(prompt_text)
         n_reason, n_answer = output_lengths(prompt_text, self.cfg.mean_output_tokens)
-        reason_ids = self._text_tokens(prompt_text, n_reason, "reasoning") if thinking else []
-        answer_ids = self._text_tokens(prompt_text, n_answer, "answer")
+        if self.lm is not None:
+            lead = prompt_ids + ([] if p.prompt_opens_think or not thinking else [ids.open_id])
+            reason_ids = self.lm.continue_(lead, n_reason) if thinking else []
+            answer_ids = self.lm.continue_(lead + reason_ids + ([ids.close_id] if thinking else []), n_answer)
+        else:
+            reason_ids = self._text_tokens(prompt_text, n_reason, "reasoning") if thinking else []
+            answer_ids = self._text_tokens(prompt_text, n_answer, "answer")
         faults = {f for f in OUTPUT_FAULTS if self._prompt_fault(prompt_text, f)}
         for f in faults:
             self.counters[f"fault_{f}"] += 1
@@ -133,6 +144,22 @@ class Simulator:
             reasoning = None
         n = len(gen)
         return Generation(prompt_ids, None if "null_ids" in faults else gen, reasoning, content, finish, n)
+
+    async def _generate(self, messages: list[dict[str, str]], thinking: bool, max_tokens: int) -> Generation:
+        if self.lm is None:
+            return self.generate(messages, thinking, max_tokens)
+        # Model-backed generation is slow and blocking: off the event loop, one at a time, cached per prompt.
+        key = (json.dumps(messages), thinking, max_tokens)
+        if key not in self._gen_cache:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=1)
+            loop = asyncio.get_running_loop()
+            self._gen_cache[key] = await loop.run_in_executor(
+                self._executor, self.generate, messages, thinking, max_tokens
+            )
+        return self._gen_cache[key]
 
     def _parse(self, gen: list[int], thinking: bool) -> tuple[str | None, str | None]:
         """What vLLM's reasoning parser returns: text before `</think>` is reasoning; no close marker means the
@@ -181,7 +208,7 @@ class Simulator:
         thinking = bool(kwargs.get(kw, True)) if kw else True
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
 
-        gen = self.generate(messages, thinking, max_tokens)
+        gen = await self._generate(messages, thinking, max_tokens)
         n_prompt = len(gen.prompt_ids)
         if n_prompt >= self.cfg.max_model_len:
             return self._error(
@@ -191,7 +218,7 @@ class Simulator:
                 "BadRequestError",
             )
         if n_prompt + gen.n_tokens > self.cfg.max_model_len:  # vLLM caps the output at the context length
-            gen = self.generate(messages, thinking, self.cfg.max_model_len - n_prompt)
+            gen = await self._generate(messages, thinking, self.cfg.max_model_len - n_prompt)
 
         self.waiting += 1
         async with self.slots:
@@ -337,6 +364,33 @@ class Simulator:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
+
+
+class _GreedyLM:
+    """Greedy continuation with a local transformers model, never emitting the template's special tokens."""
+
+    def __init__(self, path: str, ids: object):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        torch.set_num_threads(1)  # the simulator shares the machine with the workers it serves
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.vocab = int(self.model.config.vocab_size)
+        self.suppress = sorted({ids.open_id, ids.close_id, ids.end_id, 0})  # type: ignore[attr-defined]
+
+    def continue_(self, prefix: list[int], n: int) -> list[int]:
+        torch = self.torch
+        out: list[int] = []
+        with torch.inference_mode():
+            res = self.model(torch.tensor([prefix]), use_cache=True)
+            for _ in range(n):
+                logits = res.logits[0, -1]
+                logits[self.suppress] = float("-inf")
+                nxt = int(logits.argmax())
+                out.append(nxt)
+                res = self.model(torch.tensor([[nxt]]), cache=res.past_key_values, use_cache=True)
+        return out
 
 
 def serve(cfg: SimConfig, host: str = "127.0.0.1", port: int = 8000) -> None:

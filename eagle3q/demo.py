@@ -1,0 +1,101 @@
+"""`make demo`: the whole product on one machine, on the bundled data set and a tiny local target.
+
+redis-server, the simulator (generating with the tiny target, as vLLM would serve the real one), an inference
+consumer, a hidden-state worker and a trainer, all real processes; it ends with the status table and the trained
+draft's acceptance length against an untrained one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from eagle3q.celery_app import make_app
+from eagle3q.config import Settings
+from eagle3q.ledger import Ledger
+from eagle3q.local import Proc, RedisServer, start_sim, start_worker, wait_worker_ready
+from eagle3q.producer import enqueue
+from eagle3q.status import render, snapshot
+from eagle3q.tiny import SAMPLE_DATASET, build_model
+
+
+def eval_prompts(tokenizer_dir: Path, n: int = 8) -> list[list[int]]:
+    from eagle3q.profiles import KIMI_K2
+    from eagle3q.sim.templates import render_prompt
+    from eagle3q.sources import Prompt, iter_prompts
+    from eagle3q.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    out = []
+    for item in iter_prompts(SAMPLE_DATASET):
+        if isinstance(item, Prompt) and item.row % 25 == 3:  # a spread of rows
+            out.append(tok.encode(render_prompt(KIMI_K2, item.messages, True)))
+        if len(out) >= n:
+            break
+    return out
+
+
+def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> int:
+    console = Console(width=140)
+    workdir = workdir.resolve()
+    tiny = workdir / "tiny"
+    if not (tiny / "model.safetensors").is_file():
+        console.print("building the tiny local target ...")
+        build_model(tiny)
+    run = f"demo-{int(time.time())}"
+    redis = RedisServer(workdir / "redis").start()
+    procs: list[Proc] = []
+    try:
+        sim, url = start_sim(str(tiny), workdir / "logs", extra=["--ttft", "0.01", "--itl", "0.001",
+                                                                 "--mean-output-tokens", "64",
+                                                                 "--target-model", str(tiny)])
+        procs.append(sim)
+        env = {
+            "EAGLE3Q_REDIS_URL": redis.url, "EAGLE3Q_VLLM_BASE_URLS": url, "EAGLE3Q_TOKENIZER": str(tiny),
+            "EAGLE3Q_TARGET_MODEL": str(tiny), "EAGLE3Q_STORE_DIR": str(workdir / "store"),
+            "EAGLE3Q_MAX_TOKENS": "4096", "EAGLE3Q_DRAFT_VOCAB_SIZE": "512", "EAGLE3Q_EPOCHS": "2",
+            "EAGLE3Q_LR": "3e-3", "EAGLE3Q_CHECKPOINT_EVERY": "100", "EAGLE3Q_TOKEN_BUDGET": "8192",
+        }
+        s = Settings(**{k[len("EAGLE3Q_"):].lower(): v for k, v in env.items()})
+        for role, c in (("inference", 16), ("hidden_states", 1), ("train", 1)):
+            procs.append(start_worker(role, env, workdir / "logs", concurrency=c, name=f"demo-{role}"))
+        for p in procs[1:]:
+            wait_worker_ready(p)
+        ledger = Ledger.from_url(s.broker_url())
+        rep = enqueue(make_app(s), ledger, s, SAMPLE_DATASET, run, max_samples=max_samples)
+        console.print(f"run [bold]{run}[/bold]: enqueued {rep.enqueued} prompts from {SAMPLE_DATASET.name} "
+                      f"({len(rep.bad_rows)} bad rows); logs in {workdir / 'logs'}")
+        t0, last = time.monotonic(), 0.0
+        while time.monotonic() - t0 < timeout_s:
+            if ledger.train_progress(run).get("state") == "done":
+                break
+            if time.monotonic() - last > 10:
+                snap = snapshot(ledger, run)
+                inf, hs = snap["stages"]["inference"], snap["stages"]["hidden_states"]
+                tr = snap["train"]
+                console.print(f"[{time.monotonic() - t0:5.0f}s] inference {inf['done']}+{inf['rejected']}"
+                              f"/{inf['incoming']}  hidden states {hs['done']}/{hs['incoming']}  "
+                              f"train {tr.get('state', '-')} {tr.get('step', '')}/{tr.get('total_steps', '')}")
+                last = time.monotonic()
+            time.sleep(1)
+        else:
+            console.print("[red]demo timed out[/red]")
+            return 1
+        console.print(render(snapshot(ledger, run)))
+        from eagle3q.evaluate import evaluate
+
+        prompts = eval_prompts(tiny)
+        export = s.store_dir / run / "train" / "export"
+        trained = evaluate(str(tiny), str(export), prompts, max_new=32)
+        untrained = evaluate(str(tiny), None, prompts, max_new=32, draft_vocab_size=s.draft_vocab_size)
+        ledger.set_train_progress(run, acceptance=trained[3])
+        console.print("mean acceptance length (greedy speculative decoding against the tiny target, k drafts):")
+        for k in trained:
+            console.print(f"  k={k}: trained {trained[k]:.2f}   untrained {untrained[k]:.2f}")
+        console.print(f"draft checkpoint for vLLM: {export}  ({time.monotonic() - t0:.0f}s)")
+        return 0
+    finally:
+        for p in procs:
+            p.kill()
+        redis.stop()
