@@ -31,7 +31,11 @@ def celery_config(s: Settings) -> dict:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "broker_transport_options": {"visibility_timeout": s.visibility_timeout_s},
+        "broker_transport_options": {
+            "visibility_timeout": s.visibility_timeout_s,
+            "unacked_restore_interval": s.restore_sweep_s,
+            "unacked_restore_throttle": 1,
+        },
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # keep trying while Redis restarts
         "broker_pool_limit": max(16, s.inflight_max),

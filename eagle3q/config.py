@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     redis_password: SecretStr | None = None
     # The visibility clock starts at delivery, not at task start: keep it well above the longest generation.
     visibility_timeout_s: int = 4 * 3600
+    # How often each worker looks for unacknowledged messages whose visibility timeout has passed (kombu's default
+    # sweep is every ~100 s).
+    restore_sweep_s: int = 30
 
     # --- store ---
     store_dir: Path = Path("var/store")
