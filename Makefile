@@ -30,7 +30,7 @@ test: install redis
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install redis
-	$(BIN)/python bench/run_all.py
+	cd bench && ../$(BIN)/python run_all.py
 
 clean:
 	rm -rf var .pytest_cache

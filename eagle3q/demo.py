@@ -11,11 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from eagle3q.celery_app import make_app
-from eagle3q.config import Settings
-from eagle3q.ledger import Ledger
-from eagle3q.local import Proc, RedisServer, start_sim, start_worker, wait_worker_ready
-from eagle3q.producer import enqueue
+from eagle3q.local import LocalStack, wait_worker_ready
 from eagle3q.status import render, snapshot
 from eagle3q.tiny import SAMPLE_DATASET, build_model
 
@@ -44,26 +40,20 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> 
         console.print("building the tiny local target ...")
         build_model(tiny)
     run = f"demo-{int(time.time())}"
-    redis = RedisServer(workdir / "redis").start()
-    procs: list[Proc] = []
+    stack = LocalStack(
+        workdir, tiny,
+        sim_args=["--ttft", "0.01", "--itl", "0.001", "--mean-output-tokens", "64", "--target-model", str(tiny)],
+        env={"EAGLE3Q_EPOCHS": "2", "EAGLE3Q_LR": "3e-3", "EAGLE3Q_CHECKPOINT_EVERY": "100",
+             "EAGLE3Q_TOKEN_BUDGET": "8192", "EAGLE3Q_REQUEST_TIMEOUT_S": "120"},
+    )
     try:
-        sim, url = start_sim(str(tiny), workdir / "logs", extra=["--ttft", "0.01", "--itl", "0.001",
-                                                                 "--mean-output-tokens", "64",
-                                                                 "--target-model", str(tiny)])
-        procs.append(sim)
-        env = {
-            "EAGLE3Q_REDIS_URL": redis.url, "EAGLE3Q_VLLM_BASE_URLS": url, "EAGLE3Q_TOKENIZER": str(tiny),
-            "EAGLE3Q_TARGET_MODEL": str(tiny), "EAGLE3Q_STORE_DIR": str(workdir / "store"),
-            "EAGLE3Q_MAX_TOKENS": "4096", "EAGLE3Q_DRAFT_VOCAB_SIZE": "512", "EAGLE3Q_EPOCHS": "2",
-            "EAGLE3Q_LR": "3e-3", "EAGLE3Q_CHECKPOINT_EVERY": "100", "EAGLE3Q_TOKEN_BUDGET": "8192",
-        }
-        s = Settings(**{k[len("EAGLE3Q_"):].lower(): v for k, v in env.items()})
-        for role, c in (("inference", 16), ("hidden_states", 1), ("train", 1)):
-            procs.append(start_worker(role, env, workdir / "logs", concurrency=c, name=f"demo-{role}"))
-        for p in procs[1:]:
+        stack.worker("inference", concurrency=16, wait=False)
+        stack.worker("hidden_states", wait=False)
+        stack.worker("train", wait=False)
+        for p in stack.workers:
             wait_worker_ready(p)
-        ledger = Ledger.from_url(s.broker_url())
-        rep = enqueue(make_app(s), ledger, s, SAMPLE_DATASET, run, max_samples=max_samples)
+        ledger, s = stack.ledger, stack.settings
+        rep = stack.enqueue(SAMPLE_DATASET, run, max_samples=max_samples)
         console.print(f"run [bold]{run}[/bold]: enqueued {rep.enqueued} prompts from {SAMPLE_DATASET.name} "
                       f"({len(rep.bad_rows)} bad rows); logs in {workdir / 'logs'}")
         t0, last = time.monotonic(), 0.0
@@ -96,6 +86,4 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> 
         console.print(f"draft checkpoint for vLLM: {export}  ({time.monotonic() - t0:.0f}s)")
         return 0
     finally:
-        for p in procs:
-            p.kill()
-        redis.stop()
+        stack.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,33 @@ from eagle3q.target_weights import load_target_tensors, target_config
 from eagle3q.vocab import build_mapping, count_tokens, coverage
 
 log = logging.getLogger("eagle3q.train")
+
+
+class TrainingBusy(RuntimeError):
+    """Another trainer holds this run's lock (a duplicate delivery while the first is still training)."""
+
+
+class RunLock:
+    """A lease in Redis, renewed while training: a duplicate task waits instead of training a second time; a
+    trainer that dies stops renewing, and the redelivered task takes over once the lease ends."""
+
+    def __init__(self, ledger: Ledger | None, run: str, ttl_s: int = 120):
+        self.ledger, self.ttl_s = ledger, ttl_s
+        self.key = ledger.k(run, "train_lock") if ledger else ""
+        self.token = f"{os.getpid()}-{time.time()}"
+
+    def __enter__(self) -> RunLock:
+        if self.ledger and not self.ledger.r.set(self.key, self.token, nx=True, ex=self.ttl_s):
+            raise TrainingBusy(f"{self.key} is held by {self.ledger.r.get(self.key)}")
+        return self
+
+    def renew(self) -> None:
+        if self.ledger:
+            self.ledger.r.expire(self.key, self.ttl_s)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ledger and self.ledger.r.get(self.key) == self.token:
+            self.ledger.r.delete(self.key)
 
 
 @dataclass
@@ -192,6 +220,12 @@ def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, 
 
 def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None, target_dir: str | None = None,
               log_every: int = 10) -> TrainResult:
+    with RunLock(ledger, run) as lock:
+        return _train(run, s, store, ledger, target_dir, log_every, lock)
+
+
+def _train(run: str, s: Settings, store: Store, ledger: Ledger | None, target_dir: str | None, log_every: int,
+           lock: RunLock) -> TrainResult:
     out = store.train_dir(run)
     export_dir = out / "export"
     done_file = out / "result.json"
@@ -249,6 +283,7 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
         opt.step()
         step += 1
         history.append(float(loss.detach()))
+        lock.renew()
         if step % log_every == 0 or step == total:
             log.info("step %d/%d loss %.4f per-step %s acc %s lr %.2e", step, total, history[-1],
                      [round(x, 3) for x in losses], [round(a, 3) for a in accs], lr)

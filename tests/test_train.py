@@ -164,3 +164,19 @@ def sim_prompt(tiny, text: str) -> list[int]:  # noqa: ANN001
     from eagle3q.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny)).encode(render_prompt(KIMI_K2, [{"role": "user", "content": text}], True))
+
+
+def test_a_second_trainer_waits_for_the_first(tmp_path):  # noqa: ANN001
+    from eagle3q.train import RunLock, TrainingBusy
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        ledger = Ledger.from_url(redis.url)
+        s = Settings(store_dir=tmp_path / "store", target_model="unused")
+        with RunLock(ledger, "busy"), pytest.raises(TrainingBusy):
+            train_run("busy", s, Store(tmp_path / "store"), ledger)
+        assert not ledger.r.exists(ledger.k("busy", "train_lock"))  # released by its holder
+        with pytest.raises(RuntimeError, match="no hidden-state files"):  # free again: this one gets to work
+            train_run("busy", s, Store(tmp_path / "store"), ledger)
+    finally:
+        redis.stop()

@@ -23,8 +23,14 @@ def train(self, payload: dict) -> str:  # noqa: ANN001
         return f"refused: {e}"
     from eagle3q.ledger import Ledger
     from eagle3q.store import Store
-    from eagle3q.train import train_run
+    from eagle3q.train import TrainingBusy, train_run
 
     s = get_settings()
-    result = train_run(ref.run, s, Store(s.store_dir), Ledger.from_url(s.broker_url()))
+    try:
+        result = train_run(ref.run, s, Store(s.store_dir), Ledger.from_url(s.broker_url()))
+    except TrainingBusy as e:
+        # A duplicate delivery while another trainer works on the run: come back later (the lease tells whether the
+        # other one is still alive), never train twice at once.
+        log.info("%s; retrying in 60 s", e)
+        raise self.retry(countdown=60, exc=e) from None
     return result.summary()

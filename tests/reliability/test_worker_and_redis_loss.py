@@ -54,3 +54,28 @@ def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
     assert len(done) == 60 and not rejected
     hs = set(stack.ledger.r.zrange(stack.ledger.k("restart", "done", "hidden_states"), 0, -1))
     assert hs == done
+
+
+def test_sigkill_trainer_mid_training_resumes_and_trains_once(stack_factory):  # noqa: ANN001
+    import json
+
+    stack = stack_factory(env={"EAGLE3Q_EPOCHS": "8", "EAGLE3Q_CHECKPOINT_EVERY": "10", "EAGLE3Q_LR": "3e-3",
+                               "EAGLE3Q_VISIBILITY_TIMEOUT_S": "4", "EAGLE3Q_RESTORE_SWEEP_S": "1"})
+    stack.worker("inference", concurrency=8)
+    stack.worker("hidden_states")
+    trainer = stack.worker("train")
+    stack.enqueue(SAMPLE_DATASET, "tkill", max_samples=30)
+    deadline = time.monotonic() + 180
+    while int(stack.ledger.train_progress("tkill").get("step", 0)) < 25 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert int(stack.ledger.train_progress("tkill")["step"]) >= 25
+    trainer.kill(signal.SIGKILL)
+    assert not (stack.store.train_dir("tkill") / "result.json").exists()
+    stack.ledger.r.delete(stack.ledger.k("tkill", "train_lock"))  # the dead trainer's lease, without waiting 2 min
+    stack.worker("train")
+    deadline = time.monotonic() + 240
+    while stack.ledger.train_progress("tkill").get("state") != "done" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    result = json.loads((stack.store.train_dir("tkill") / "result.json").read_text())
+    assert result["resumed_from"] >= 20 and result["steps"] == 8 * 30  # resumed, not restarted
+    assert stack.ledger.r.get(stack.ledger.k("tkill", "fired", "train")) is not None

@@ -1,0 +1,49 @@
+"""(d) per-task overhead of the queue with a zero-latency simulator: the same request + validation + store work
+done in a plain loop, against the same work as Celery tasks through Redis (one worker thread, one in flight)."""
+
+from __future__ import annotations
+
+import time
+
+from common import report, stack, synthetic_dataset, tiny_target, workdir
+
+from eagle3q.inference import build_context, run_inference
+from eagle3q.producer import _task
+from eagle3q.schemas import Sampling
+from eagle3q.sources import Prompt, iter_prompts
+
+N = 400
+SIM = ["--ttft", "0", "--itl", "0", "--mean-output-tokens", "32"]
+
+
+def main() -> dict:
+    base = workdir("overhead")
+    tiny = tiny_target(base)
+    data = synthetic_dataset(base / "prompts.jsonl", N)
+    st = stack(base, tiny, SIM)
+    try:
+        s = st.settings
+        sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+        tasks = [_task(p, "direct", data.name, s, sampling) for p in iter_prompts(data) if isinstance(p, Prompt)]
+        ctx = build_context(s, forward=lambda run, sid: None, concurrency=1)
+        t0 = time.monotonic()
+        for t in tasks:
+            run_inference(t, ctx)
+        direct = (time.monotonic() - t0) / N
+        st.worker("inference", concurrency=1)
+        t0 = time.monotonic()
+        st.enqueue(data, "queued")
+        st.wait_settled("queued", timeout_s=600)
+        queued = (time.monotonic() - t0) / N
+    finally:
+        st.close()
+    report("queue overhead (d): zero-latency simulator, one at a time", [
+        ("direct call (request + validation + store + ledger)", f"{direct * 1000:.2f} ms/task"),
+        ("through Celery + Redis", f"{queued * 1000:.2f} ms/task"),
+        ("overhead of the queue", f"{(queued - direct) * 1000:.2f} ms/task ({queued / direct:.2f}x)"),
+    ])
+    return {"direct_ms": direct * 1000, "queued_ms": queued * 1000}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""(a) eagle3q end-to-end req/s vs the ideal max_num_seqs / latency and vs a plain asyncio + semaphore client at
+the same concurrency, against the same simulator, in the same run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+from common import report, stack, synthetic_dataset, tiny_target, workdir
+
+from eagle3q.sources import Prompt, iter_prompts
+
+C = 32  # requests in flight (and the simulator's max_num_seqs)
+N = 640
+SIM = ["--ttft", "0.3", "--itl", "0.003", "--mean-output-tokens", "100", "--max-num-seqs", str(C)]
+
+
+async def plain_client(url: str, prompts: list[list[dict]], concurrency: int) -> tuple[float, float]:
+    """What users write today: asyncio, a semaphore, httpx. Returns (req/s, mean latency)."""
+    sem = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+        async def one(messages: list[dict]) -> None:
+            async with sem:
+                t = time.monotonic()
+                r = await client.post(f"{url}/chat/completions", json={
+                    "model": "moonshotai/Kimi-K2.5", "messages": messages, "max_tokens": 4096,
+                    "return_token_ids": True, "chat_template_kwargs": {"thinking": True}})
+                r.raise_for_status()
+                json.dumps(r.json()["choices"][0]["token_ids"])
+                latencies.append(time.monotonic() - t)
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(m) for m in prompts))
+        return len(prompts) / (time.monotonic() - t0), sum(latencies) / len(latencies)
+
+
+def main() -> dict:
+    base = workdir("throughput")
+    tiny = tiny_target(base)
+    data = synthetic_dataset(base / "prompts.jsonl", N)
+    prompts = [p.messages for p in iter_prompts(data) if isinstance(p, Prompt)]
+    st = stack(base, tiny, SIM)
+    try:
+        plain_rps, latency = asyncio.run(plain_client(st.sim_urls[0], prompts, C))
+        ideal = C / latency
+        for _ in range(2):
+            st.worker("inference", concurrency=C // 2)
+        t0 = time.monotonic()
+        st.enqueue(data, "bench")
+        st.wait_settled("bench", timeout_s=600)
+        ours = N / (time.monotonic() - t0)
+        c = st.ledger.counts("bench", "inference")
+        assert c.done == N, c
+    finally:
+        st.close()
+    report("throughput (a): same simulator, same prompts, concurrency 32", [
+        ("mean request latency (plain client)", f"{latency:.3f} s"),
+        ("ideal max_num_seqs / latency", f"{ideal:.1f} req/s"),
+        ("plain asyncio + semaphore client", f"{plain_rps:.1f} req/s ({plain_rps / ideal:.3f} of ideal)"),
+        ("eagle3q (enqueue -> validated samples on disk)", f"{ours:.1f} req/s ({ours / ideal:.3f} of ideal)"),
+        ("eagle3q / plain client", f"{ours / plain_rps:.3f}  (goal >= 0.97)"),
+    ])
+    return {"ideal": ideal, "plain": plain_rps, "eagle3q": ours, "ratio": ours / plain_rps}
+
+
+if __name__ == "__main__":
+    main()

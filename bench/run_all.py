@@ -1,0 +1,13 @@
+"""All benchmarks, one after the other (about five minutes on 2 cores): `make bench`."""
+
+from __future__ import annotations
+
+import bench_extraction
+import bench_overhead
+import bench_producer
+import bench_scaling
+import bench_throughput
+
+if __name__ == "__main__":
+    for mod in (bench_throughput, bench_scaling, bench_producer, bench_overhead, bench_extraction):
+        mod.main()
