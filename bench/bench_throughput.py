@@ -55,6 +55,8 @@ def main() -> dict:
         ours = N / (time.monotonic() - t0)
         c = st.ledger.counts("bench", "inference")
         assert c.done == N, c
+        ids = st.ledger.r.zrange(st.ledger.k("bench", "done", "inference"), 0, -1)
+        our_latency = sum(st.store.read_sample("bench", i).latency_s for i in ids) / len(ids)
     finally:
         st.close()
     report("throughput (a): same simulator, same prompts, concurrency 32", [
@@ -62,6 +64,7 @@ def main() -> dict:
         ("ideal max_num_seqs / latency", f"{ideal:.1f} req/s"),
         ("plain asyncio + semaphore client", f"{plain_rps:.1f} req/s ({plain_rps / ideal:.3f} of ideal)"),
         ("eagle3q (enqueue -> validated samples on disk)", f"{ours:.1f} req/s ({ours / ideal:.3f} of ideal)"),
+        ("mean request latency seen by eagle3q consumers", f"{our_latency:.3f} s"),
         ("eagle3q / plain client", f"{ours / plain_rps:.3f}  (goal >= 0.97)"),
     ])
     return {"ideal": ideal, "plain": plain_rps, "eagle3q": ours, "ratio": ours / plain_rps}

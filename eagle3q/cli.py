@@ -106,11 +106,13 @@ def worker(
     queue, pool = ROLES[role]
     from eagle3q.config import get_settings
 
-    c = concurrency or (get_settings().inflight_limit if role == "inference" else 1)
+    s = get_settings()
+    c = concurrency or (s.inflight_limit if role == "inference" else 1)
+    prefetch = s.prefetch_multiplier if role == "inference" else 1
     if pool == "solo":
         c = 1
     args = [sys.executable, "-m", "celery", "-A", "eagle3q.celery_app", "worker", "-Q", queue, "-P", pool,
-            "-c", str(c), "-E", "--prefetch-multiplier", "1", "--without-gossip", "--without-mingle",
+            "-c", str(c), "-E", "--prefetch-multiplier", str(prefetch), "--without-gossip", "--without-mingle",
             "-n", f"{name or role}@%h", "--loglevel", loglevel]
     os.execv(sys.executable, args)
 

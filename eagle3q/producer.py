@@ -15,6 +15,8 @@ from eagle3q.ledger import Ledger
 from eagle3q.schemas import InferenceTask, Message, Sampling
 from eagle3q.sources import BadRow, Prompt, iter_prompts
 
+# Batches grow from FIRST_BATCH to BATCH: the first tasks reach the consumers at once, later ones go in bulk.
+FIRST_BATCH = 8
 BATCH = 500
 
 
@@ -64,8 +66,11 @@ def enqueue(
     t0 = time.monotonic()
     batch: list[InferenceTask] = []
     seen: set[str] = set()
+    batch_size = FIRST_BATCH
 
     def flush() -> None:
+        nonlocal batch_size
+        batch_size = min(BATCH, batch_size * 4)
         known = ledger.known(run, [t.sample_id for t in batch])
         fresh = [t for t, k in zip(batch, known, strict=True) if not k]
         report.skipped_known += len(batch) - len(fresh)
@@ -90,7 +95,7 @@ def enqueue(
         seen.add(task.sample_id)
         report.prompts += 1
         batch.append(task)
-        if len(batch) >= BATCH:
+        if len(batch) >= batch_size:
             flush()
     if batch:
         flush()

@@ -12,6 +12,8 @@ from eagle3q.config import get_settings
 from eagle3q.metrics import METRICS
 
 log = logging.getLogger("eagle3q.workers")
+# One INFO line per HTTP request is noise at hundreds of requests per second (and costs the consumers time).
+logging.getLogger("httpx").setLevel(logging.WARNING)
 M = TypeVar("M", bound=BaseModel)
 
 
