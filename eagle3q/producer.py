@@ -76,7 +76,10 @@ def enqueue(
         report.skipped_known += len(batch) - len(fresh)
         with app.producer_or_acquire() as producer:
             for t in fresh:
-                app.send_task(TASK_GENERATE, args=[t.model_dump()], producer=producer)
+                # A short argsrepr: Celery would otherwise repr the whole prompt for every message (a third of the
+                # producer's time), and Flower shows the id, which is what one looks up.
+                app.send_task(TASK_GENERATE, args=[t.model_dump()], producer=producer,
+                              argsrepr=f"{t.run}/{t.sample_id}", kwargsrepr="{}")
         # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
         # instead of leaving ids recorded that were never sent.
         ledger.add_enqueued(run, [t.sample_id for t in fresh])
@@ -123,7 +126,8 @@ def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, datase
         if isinstance(item, Prompt):
             task = _task(item, run, dataset, settings, sampling)
             if task.sample_id in pending:
-                app.send_task(TASK_GENERATE, args=[task.model_dump()])
+                app.send_task(TASK_GENERATE, args=[task.model_dump()], argsrepr=f"{run}/{task.sample_id}",
+                              kwargsrepr="{}")
                 pending.discard(task.sample_id)
                 n += 1
     return n

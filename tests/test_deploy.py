@@ -131,3 +131,9 @@ def test_docker_compose_config_accepts_the_file(profiles):  # noqa: ANN001
     missing = subprocess.run([*args, "config", "-q"], env={k: v for k, v in env.items() if k != "REDIS_PASSWORD"},
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "REDIS_PASSWORD" in missing.stderr  # no password, no start
+
+
+def test_readme_documents_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    missing = sorted(k for k in ENV_KEYS if f"`{k}`" not in readme)
+    assert not missing, missing

@@ -21,7 +21,8 @@ _ctx_lock = threading.Lock()
 
 
 def _forward(run: str, sample_id: str) -> None:
-    app.send_task(TASK_EXTRACT, args=[SampleRef(run=run, sample_id=sample_id).model_dump()])
+    app.send_task(TASK_EXTRACT, args=[SampleRef(run=run, sample_id=sample_id).model_dump()],
+                  argsrepr=f"{run}/{sample_id}", kwargsrepr="{}")
 
 
 def context() -> InferenceContext:

@@ -82,6 +82,7 @@ class Simulator:
         self.rng = random.Random(cfg.seed)
         self.slots = asyncio.Semaphore(cfg.max_num_seqs)
         self.running = 0
+        self.peak_running = 0
         self.waiting = 0
         self.counters = {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.counters.update({f"fault_{f}": 0 for f in FAULTS})
@@ -224,6 +225,7 @@ class Simulator:
         async with self.slots:
             self.waiting -= 1
             self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
             try:
                 if body.get("stream"):
                     return await self._stream(request, body, gen)
@@ -353,6 +355,7 @@ class Simulator:
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{model_name="{name}",finished_reason="stop"}} {self.counters["success"]}',
         ]
+        lines.append(f"eagle3q_sim_peak_running {self.peak_running}")
         for f in FAULTS:
             lines.append(f'eagle3q_sim_faults_total{{fault="{f}"}} {self.counters[f"fault_{f}"]}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
