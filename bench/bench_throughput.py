@@ -13,7 +13,7 @@ from common import report, stack, synthetic_dataset, tiny_target, workdir
 from eagle3q.sources import Prompt, iter_prompts
 
 C = 32  # requests in flight (and the simulator's max_num_seqs)
-N = 640
+N = 1600  # ~30 s per client: start-up and the last wave weigh as little as in a real (hours-long) run
 SIM = ["--ttft", "0.3", "--itl", "0.003", "--mean-output-tokens", "100", "--max-num-seqs", str(C)]
 
 
