@@ -12,7 +12,7 @@ from common import ROOT, report, synthetic_dataset, workdir
 from eagle3q.local import RedisServer
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys
     from pathlib import Path
     sys.path.insert(0, {root!r})
     from eagle3q.celery_app import make_app
@@ -21,8 +21,9 @@ CHILD = textwrap.dedent("""
     from eagle3q.producer import enqueue
     s = Settings(redis_url={url!r})
     rep = enqueue(make_app(s), Ledger.from_url(s.broker_url()), s, Path({data!r}), {run!r})
-    print(json.dumps({{"enqueued": rep.enqueued, "seconds": rep.seconds,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a parent holding torch would show up here
+    hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    print(json.dumps({{"enqueued": rep.enqueued, "seconds": rep.seconds, "peak_rss_mb": hwm / 1024}}))
 """)
 
 

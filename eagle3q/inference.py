@@ -81,8 +81,9 @@ def _start_prober(ctx: InferenceContext, every_s: float = 2.0) -> None:
     threading.Thread(target=loop, name="eagle3q-endpoint-probe", daemon=True).start()
 
 
-def _accept(ctx: InferenceContext, task: InferenceTask, sample: Sample) -> None:
-    nbytes = ctx.store.write_sample(sample)
+def _accept(ctx: InferenceContext, task: InferenceTask, sample: Sample, nbytes: int | None = None) -> None:
+    if nbytes is None:
+        nbytes = ctx.store.write_sample(sample)
     ctx.ledger.add_hs_pending(task.run, task.sample_id, len(sample.input_ids))
     ctx.forward(task.run, task.sample_id)
     gen = len(sample.input_ids) - sample.num_prompt_tokens
@@ -113,7 +114,8 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
     if ctx.ledger.is_terminal(task.run, STAGE, task.sample_id):
         return "duplicate"
     if ctx.store.has_sample(task.run, task.sample_id):  # written, but the mark was lost with a crash
-        _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id))
+        path = ctx.store.sample_path(task.run, task.sample_id)
+        _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=path.stat().st_size)
         return "duplicate"
 
     s = task.sampling

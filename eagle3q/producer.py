@@ -65,7 +65,6 @@ def enqueue(
                     started=time.time())
     t0 = time.monotonic()
     batch: list[InferenceTask] = []
-    seen: set[str] = set()
     batch_size = FIRST_BATCH
 
     def flush() -> None:
@@ -92,12 +91,10 @@ def enqueue(
             continue
         if max_samples is not None and report.prompts >= max_samples:
             break
-        task = _task(item, run, dataset, settings, sampling)
-        if task.sample_id in seen:  # the same prompt twice in one data set is one sample
-            continue
-        seen.add(task.sample_id)
+        # No in-memory set of ids: memory stays flat in the data set's size (ids include the row, so a data set
+        # cannot repeat one; Redis answers "already known" for re-runs).
         report.prompts += 1
-        batch.append(task)
+        batch.append(_task(item, run, dataset, settings, sampling))
         if len(batch) >= batch_size:
             flush()
     if batch:

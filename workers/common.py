@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from eagle3q.config import get_settings
 from eagle3q.metrics import METRICS
+from eagle3q.vllm_client import backoff_s
 
 log = logging.getLogger("eagle3q.workers")
 # One INFO line per HTTP request is noise at hundreds of requests per second (and costs the consumers time).
@@ -30,6 +31,16 @@ def parse_payload(model: type[M], payload: object) -> M:
         fields = sorted({".".join(str(p) for p in err["loc"]) for err in e.errors()})
         log.error("refused a %s message that fails validation (fields: %s)", model.__name__, ", ".join(fields))
         raise RefusedPayload(f"{model.__name__}: invalid fields {fields}") from None
+
+
+def retry_store_error(task, ledger, run: str, sample_id: str, stage: str, err: Exception) -> Exception:  # noqa: ANN001
+    """The store could not be written: infrastructure, not the sample's fault. Counted, logged loudly and retried
+    with capped backoff for as long as it takes; the message is never acknowledged as done meanwhile."""
+    s = get_settings()
+    ledger.incr(run, stage, "store_errors")
+    delay = backoff_s(min(task.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
+    log.error("%s/%s: store error %s; retry in %.1fs", run, sample_id, err, delay)
+    return task.retry(countdown=delay, exc=err)
 
 
 @worker_ready.connect

@@ -11,8 +11,7 @@ from eagle3q.celery_app import TASK_EXTRACT, TASK_TRAIN, app
 from eagle3q.config import get_settings
 from eagle3q.schemas import RunRef, SampleRef
 from eagle3q.store import StoreError
-from eagle3q.vllm_client import backoff_s
-from workers.common import RefusedPayload, parse_payload
+from workers.common import RefusedPayload, parse_payload, retry_store_error
 
 log = logging.getLogger("eagle3q.workers.hidden_states")
 _ctx = None
@@ -53,8 +52,4 @@ def extract(self, payload: dict) -> str:  # noqa: ANN001
     try:
         return run_extract(ref, ctx)
     except StoreError as e:
-        ctx.ledger.incr(ref.run, "hidden_states", "store_errors")
-        s = get_settings()
-        delay = backoff_s(min(self.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
-        log.error("%s/%s: store error %s; retry in %.1fs", ref.run, ref.sample_id, e, delay)
-        raise self.retry(countdown=delay, exc=e) from None
+        raise retry_store_error(self, ctx.ledger, ref.run, ref.sample_id, "hidden_states", e) from None

@@ -13,7 +13,7 @@ from eagle3q.inference import InferenceContext, build_context, reject_exhausted,
 from eagle3q.schemas import InferenceTask, SampleRef
 from eagle3q.store import StoreError
 from eagle3q.vllm_client import TransientError, backoff_s
-from workers.common import RefusedPayload, parse_payload
+from workers.common import RefusedPayload, parse_payload, retry_store_error
 
 log = logging.getLogger("eagle3q.workers.inference")
 _ctx: InferenceContext | None = None
@@ -54,8 +54,4 @@ def generate(self, payload: dict) -> str:  # noqa: ANN001
         log.warning("%s/%s: %s; retry %d in %.1fs", task.run, task.sample_id, e.kind, self.request.retries + 1, delay)
         raise self.retry(countdown=delay, exc=e) from None
     except StoreError as e:
-        # Infrastructure, not the sample's fault: keep retrying (loudly), never acknowledge it as done.
-        ctx.ledger.incr(task.run, "inference", "store_errors")
-        delay = backoff_s(min(self.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
-        log.error("%s/%s: store error %s; retry in %.1fs", task.run, task.sample_id, e, delay)
-        raise self.retry(countdown=delay, exc=e) from None
+        raise retry_store_error(self, ctx.ledger, task.run, task.sample_id, "inference", e) from None
