@@ -38,6 +38,11 @@ def celery_config(s: Settings) -> dict:
         },
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # keep trying while Redis restarts
+        # Publishing (the producer, hand-offs to the next stage, retries) rides out a Redis restart too: about five
+        # minutes of backoff before a publish gives up.
+        "task_publish_retry": True,
+        "task_publish_retry_policy": {"max_retries": 60, "interval_start": 0.2, "interval_step": 0.5,
+                                      "interval_max": 5},
         "broker_pool_limit": max(16, s.inflight_max),
         "task_routes": ROUTES,
         "task_default_queue": "inference",

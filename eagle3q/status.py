@@ -48,6 +48,7 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             "bytes_per_token": round(c.stats.get("bytes", 0) / tokens, 1) if tokens else None,
             "retries": {k[6:]: v for k, v in c.stats.items() if k.startswith("retry_")},
             "store_errors": c.stats.get("store_errors", 0),
+            "task_errors": c.stats.get("task_errors", 0),
         }
     return out
 
@@ -89,6 +90,9 @@ def render(snap: dict) -> Group:
     for name, st in snap["stages"].items():
         if st["store_errors"]:
             extra.append(f"[red]store write errors in {name}: {st['store_errors']} (tasks kept and retried)[/red]")
+        if st["task_errors"]:
+            extra.append(f"[red]unexpected task errors in {name}: {st['task_errors']} (tasks kept and retried; "
+                         "see the worker logs)[/red]")
     tr = snap["train"]
     if tr:
         line = f"training: {tr.get('state', '?')} step {tr.get('step', 0)}/{tr.get('total_steps', '?')}"

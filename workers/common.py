@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TypeVar
 
@@ -40,6 +41,17 @@ def retry_store_error(task, ledger, run: str, sample_id: str, stage: str, err: E
     ledger.incr(run, stage, "store_errors")
     delay = backoff_s(min(task.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
     log.error("%s/%s: store error %s; retry in %.1fs", run, sample_id, err, delay)
+    return task.retry(countdown=delay, exc=err)
+
+
+def retry_unexpected(task, ledger, run: str, sample_id: str, stage: str, err: Exception) -> Exception:  # noqa: ANN001
+    """Anything else (a broker outage outlasting the publish retries, a bug): a failed task would be acknowledged and
+    its prompt lost, so it is retried instead and stays "queued" in the counts, with the traceback in the log."""
+    s = get_settings()
+    log.exception("%s/%s: unexpected error in %s, retrying: %s", run, sample_id, stage, err)
+    with contextlib.suppress(Exception):  # Redis itself may be what is down
+        ledger.incr(run, stage, "task_errors")
+    delay = backoff_s(min(task.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
     return task.retry(countdown=delay, exc=err)
 
 

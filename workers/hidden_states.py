@@ -11,7 +11,7 @@ from eagle3q.celery_app import TASK_EXTRACT, TASK_TRAIN, app
 from eagle3q.config import get_settings
 from eagle3q.schemas import RunRef, SampleRef
 from eagle3q.store import StoreError
-from workers.common import RefusedPayload, parse_payload, retry_store_error
+from workers.common import RefusedPayload, parse_payload, retry_store_error, retry_unexpected
 
 log = logging.getLogger("eagle3q.workers.hidden_states")
 _ctx = None
@@ -53,3 +53,5 @@ def extract(self, payload: dict) -> str:  # noqa: ANN001
         return run_extract(ref, ctx)
     except StoreError as e:
         raise retry_store_error(self, ctx.ledger, ref.run, ref.sample_id, "hidden_states", e) from None
+    except Exception as e:  # noqa: BLE001
+        raise retry_unexpected(self, ctx.ledger, ref.run, ref.sample_id, "hidden_states", e) from None

@@ -13,7 +13,7 @@ from eagle3q.inference import InferenceContext, build_context, reject_exhausted,
 from eagle3q.schemas import InferenceTask, SampleRef
 from eagle3q.store import StoreError
 from eagle3q.vllm_client import TransientError, backoff_s
-from workers.common import RefusedPayload, parse_payload, retry_store_error
+from workers.common import RefusedPayload, parse_payload, retry_store_error, retry_unexpected
 
 log = logging.getLogger("eagle3q.workers.inference")
 _ctx: InferenceContext | None = None
@@ -55,3 +55,5 @@ def generate(self, payload: dict) -> str:  # noqa: ANN001
         raise self.retry(countdown=delay, exc=e) from None
     except StoreError as e:
         raise retry_store_error(self, ctx.ledger, task.run, task.sample_id, "inference", e) from None
+    except Exception as e:  # noqa: BLE001
+        raise retry_unexpected(self, ctx.ledger, task.run, task.sample_id, "inference", e) from None

@@ -48,7 +48,7 @@ def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
         time.sleep(0.1)
     before = stack.ledger.counts("restart", "inference").done
     assert 10 <= before < 60
-    stack.redis.restart(down_s=2.0)  # SIGTERM (AOF flushed), down for 2 s, same port and data directory
+    stack.redis.restart(down_s=3.0)  # SIGTERM (AOF flushed), down for 3 s, same port and data directory
     stack.wait_settled("restart", stages=("inference", "hidden_states"), timeout_s=240)
     done, rejected = assert_accounted(stack, "restart")
     assert len(done) == 60 and not rejected
