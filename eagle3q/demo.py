@@ -42,7 +42,7 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> 
     run = f"demo-{int(time.time())}"
     stack = LocalStack(
         workdir, tiny,
-        sim_args=["--ttft", "0.01", "--itl", "0.001", "--mean-output-tokens", "64", "--target-model", str(tiny)],
+        sim_args=["--ttft", "0.01", "--itl", "0.001", "--mean-output-tokens", "48", "--target-model", str(tiny)],
         env={"EAGLE3Q_EPOCHS": "2", "EAGLE3Q_LR": "3e-3", "EAGLE3Q_CHECKPOINT_EVERY": "100",
              "EAGLE3Q_TOKEN_BUDGET": "8192", "EAGLE3Q_REQUEST_TIMEOUT_S": "120"},
     )
