@@ -8,8 +8,7 @@ import time
 from common import report, stack, synthetic_dataset, tiny_target, workdir
 
 from eagle3q.inference import build_context, run_inference
-from eagle3q.producer import _task
-from eagle3q.schemas import Sampling
+from eagle3q.producer import sampling_of, task_for
 from eagle3q.sources import Prompt, iter_prompts
 
 N = 400
@@ -23,8 +22,8 @@ def main() -> dict:
     st = stack(base, tiny, SIM)
     try:
         s = st.settings
-        sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        tasks = [_task(p, "direct", data.name, s, sampling) for p in iter_prompts(data) if isinstance(p, Prompt)]
+        sampling = sampling_of(s)
+        tasks = [task_for(p, "direct", data.name, s, sampling) for p in iter_prompts(data) if isinstance(p, Prompt)]
         ctx = build_context(s, forward=lambda run, sid: None, concurrency=1)
         t0 = time.monotonic()
         for t in tasks:

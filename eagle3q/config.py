@@ -147,7 +147,6 @@ class Settings(BaseSettings):
         return urlunsplit((parts.scheme, f"{host}{port}", parts.path, "", ""))
 
 
-SETTING_FIELDS: frozenset[str] = frozenset(Settings.model_fields)
 ENV_KEYS: frozenset[str] = frozenset(f"EAGLE3Q_{name.upper()}" for name in Settings.model_fields) | {"EAGLE3Q_CONFIG"}
 
 
@@ -159,13 +158,3 @@ def get_settings() -> Settings:
 def reload_settings() -> Settings:
     get_settings.cache_clear()
     return get_settings()
-
-
-def field_doc() -> list[tuple[str, str, str]]:
-    """(env key, type, default) for every setting: the README's table is generated from this."""
-    rows = []
-    for name, f in Settings.model_fields.items():
-        default = f.default if f.default is not None else ""
-        rows.append((f"EAGLE3Q_{name.upper()}", str(f.annotation).replace("typing.", ""), str(default)))
-    return rows
-

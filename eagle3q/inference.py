@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from eagle3q.config import Settings
 from eagle3q.endpoints import EndpointPool
+from eagle3q.inflight import InflightLimiter
 from eagle3q.ledger import Ledger
 from eagle3q.metrics import METRICS
 from eagle3q.profiles import ResolvedProfile, get_profile, resolve
@@ -38,7 +39,7 @@ class InferenceContext:
     profiles: dict[str, ResolvedProfile]
     endpoints: EndpointPool
     forward: Callable[[str, str], None]  # (run, sample_id) -> hand the accepted sample to the hidden-state stage
-    inflight: object | None = None  # eagle3q.inflight.InflightLimiter, when enabled
+    inflight: InflightLimiter | None = None  # the shared in-flight budget, when enabled
 
     def profile(self, name: str) -> ResolvedProfile:
         if name not in self.profiles:
@@ -62,8 +63,6 @@ def build_context(settings: Settings, forward: Callable[[str, str], None], concu
         forward=forward,
     )
     if settings.inflight_mode != "off":
-        from eagle3q.inflight import InflightLimiter
-
         ctx.inflight = InflightLimiter.from_settings(ledger.r, settings)
     if len(settings.vllm_base_urls) > 1 or settings.inflight_mode == "adaptive":
         _start_prober(ctx)
@@ -149,7 +148,7 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
         latency = time.monotonic() - t0
         ctx.endpoints.release(url, ok, connect_failed)
         if slot is not None:
-            ctx.inflight.release(slot, latency if ok else None)
+            ctx.inflight.release(slot)
 
     v = validate(raw, rp, ctx.tokenizer, task.thinking, ctx.settings.truncation_policy)
     if not v.ok:

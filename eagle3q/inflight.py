@@ -79,7 +79,7 @@ class InflightLimiter:
                 return token
             time.sleep(poll_s * (0.5 + random.random()))
 
-    def release(self, token: str, latency_s: float | None = None) -> None:
+    def release(self, token: str) -> None:
         self.r.zrem(self.k_holders, token)
 
     def _step(self, factor: float, add: float, need_full: bool) -> int:

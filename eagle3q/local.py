@@ -114,9 +114,6 @@ class Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
-    def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-
 
 def spawn(name: str, args: list[str], env: dict[str, str], logdir: Path) -> Proc:
     logdir.mkdir(parents=True, exist_ok=True)

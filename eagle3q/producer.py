@@ -36,7 +36,18 @@ class EnqueueReport:
         return self.enqueued / self.seconds if self.seconds > 0 else 0.0
 
 
-def _task(p: Prompt, run: str, dataset: str, s: Settings, sampling: Sampling) -> InferenceTask:
+def sampling_of(s: Settings) -> Sampling:
+    return Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+
+
+def send(app, task: InferenceTask, producer=None) -> None:  # noqa: ANN001
+    # A short argsrepr: Celery would otherwise repr the whole prompt for every message (a third of the producer's
+    # time), and Flower shows the id, which is what one looks up.
+    app.send_task(TASK_GENERATE, args=[task.model_dump()], producer=producer,
+                  argsrepr=f"{task.run}/{task.sample_id}", kwargsrepr="{}")
+
+
+def task_for(p: Prompt, run: str, dataset: str, s: Settings, sampling: Sampling) -> InferenceTask:
     sid = sample_id(dataset, p.row, p.turn, s.model, {**sampling.model_dump(), "thinking": s.thinking}, p.messages)
     return InferenceTask(
         run=run, sample_id=sid, dataset=dataset, row=p.row, turn=p.turn, model=s.model, profile=s.profile,
@@ -58,7 +69,7 @@ def enqueue(
     train_target: int | None = None,
 ) -> EnqueueReport:
     dataset = dataset_name or dataset_path.name
-    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens)
+    sampling = sampling_of(settings)
     report = EnqueueReport(run=run)
     ledger.set_meta(run, model=settings.model, profile=settings.profile, dataset=dataset, enqueue_complete=0,
                     train_target=settings.train_target if train_target is None else train_target,
@@ -75,10 +86,7 @@ def enqueue(
         report.skipped_known += len(batch) - len(fresh)
         with app.producer_or_acquire() as producer:
             for t in fresh:
-                # A short argsrepr: Celery would otherwise repr the whole prompt for every message (a third of the
-                # producer's time), and Flower shows the id, which is what one looks up.
-                app.send_task(TASK_GENERATE, args=[t.model_dump()], producer=producer,
-                              argsrepr=f"{t.run}/{t.sample_id}", kwargsrepr="{}")
+                send(app, t, producer)
         # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
         # instead of leaving ids recorded that were never sent.
         ledger.add_enqueued(run, [t.sample_id for t in fresh])
@@ -94,7 +102,7 @@ def enqueue(
         # No in-memory set of ids: memory stays flat in the data set's size (ids include the row, so a data set
         # cannot repeat one; Redis answers "already known" for re-runs).
         report.prompts += 1
-        batch.append(_task(item, run, dataset, settings, sampling))
+        batch.append(task_for(item, run, dataset, settings, sampling))
         if len(batch) >= batch_size:
             flush()
     if batch:
@@ -117,14 +125,13 @@ def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, datase
     pending = ledger.pending_ids(run, "inference")
     if not pending:
         return 0
-    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens)
+    sampling = sampling_of(settings)
     n = 0
     for item in iter_prompts(path, max_prompt_chars=max_prompt_chars, split=split):
         if isinstance(item, Prompt):
-            task = _task(item, run, dataset, settings, sampling)
+            task = task_for(item, run, dataset, settings, sampling)
             if task.sample_id in pending:
-                app.send_task(TASK_GENERATE, args=[task.model_dump()], argsrepr=f"{run}/{task.sample_id}",
-                              kwargsrepr="{}")
+                send(app, task)
                 pending.discard(task.sample_id)
                 n += 1
     return n

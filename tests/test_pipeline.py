@@ -84,17 +84,15 @@ def test_rejections_match_the_injected_fault(stack_factory, tiny):  # noqa: ANN0
     stack.wait_settled("match")
     done, rejected = assert_accounted(stack, "match")
     sim = Simulator(SimConfig(tokenizer=str(tiny), faults={"missing_close": 0.3, "leak": 0.3}, seed=5))
-    from eagle3q.producer import _task
-    from eagle3q.schemas import Sampling
+    from eagle3q.producer import sampling_of, task_for
     from eagle3q.sources import Prompt, iter_prompts
 
-    sampling = Sampling(temperature=stack.settings.temperature, top_p=stack.settings.top_p,
-                        max_tokens=stack.settings.max_tokens)
+    sampling = sampling_of(stack.settings)
     checked = 0
     for item in iter_prompts(SAMPLE_DATASET):
         if not isinstance(item, Prompt) or checked >= 30:
             continue
-        t = _task(item, "match", SAMPLE_DATASET.name, stack.settings, sampling)
+        t = task_for(item, "match", SAMPLE_DATASET.name, stack.settings, sampling)
         text = render_prompt(sim.profile, item.messages, True)
         leak, no_close = sim._prompt_fault(text, "leak"), sim._prompt_fault(text, "missing_close")
         expected = {(True, True): "missing_reasoning", (True, False): "marker_in_content",

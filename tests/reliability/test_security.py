@@ -15,14 +15,11 @@ API_KEY = "sk-live-secret-key-9f3"
 
 
 def _valid_payload(stack) -> dict:  # noqa: ANN001
-    from eagle3q.producer import _task
-    from eagle3q.schemas import Sampling
+    from eagle3q.producer import sampling_of, task_for
     from eagle3q.sources import Prompt, iter_prompts
 
     p = next(i for i in iter_prompts(SAMPLE_DATASET) if isinstance(i, Prompt))
-    s = stack.settings
-    return _task(p, "sec", "d", s, Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)) \
-        .model_dump()
+    return task_for(p, "sec", "d", stack.settings, sampling_of(stack.settings)).model_dump()
 
 
 def test_app_is_json_only():
