@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     inflight_limit: int = 128
     inflight_min: int = 4
     inflight_max: int = 512
+    inflight_period_s: float = 2.0  # how often consumers poll vLLM's /metrics and may adjust the adaptive limit
 
     # --- hidden states ---
     target_model: str = ""  # path or hub id of the target model (transformers backend)

@@ -69,7 +69,9 @@ def build_context(settings: Settings, forward: Callable[[str, str], None], concu
     return ctx
 
 
-def _start_prober(ctx: InferenceContext, every_s: float = 2.0) -> None:
+def _start_prober(ctx: InferenceContext) -> None:
+    every_s = ctx.settings.inflight_period_s
+
     def loop() -> None:
         while True:
             ctx.endpoints.probe(ctx.client.http)

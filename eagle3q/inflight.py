@@ -62,7 +62,7 @@ class InflightLimiter:
     @classmethod
     def from_settings(cls, client: redis.Redis, s: Settings) -> InflightLimiter:
         return cls(client, s.inflight_mode, s.inflight_limit, s.inflight_min, s.inflight_max,
-                   lease_s=s.request_timeout_s + 60)
+                   lease_s=s.request_timeout_s + 60, period_s=s.inflight_period_s)
 
     def limit(self) -> int:
         return int(self.r.get(self.k_limit) or self.start)

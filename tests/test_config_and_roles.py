@@ -56,3 +56,22 @@ def test_fixed_inflight_budget_holds_across_workers(stack_factory):  # noqa: ANN
     metrics = httpx.get(stack.sim_urls[0][:-3] + "/metrics").text
     assert parse_gauge(metrics, "eagle3q_sim_peak_running") == 3  # 16 threads, but 3 in flight at most, and used
     assert stack.ledger.counts("budget", "inference").done == 24
+
+
+def test_adaptive_budget_follows_the_server(stack_factory):  # noqa: ANN001
+    """32 threads against a server that runs 6 at a time: the shared limit comes down to what vLLM runs (its
+    queue stays short) while the server stays saturated."""
+    from eagle3q.inflight import InflightLimiter
+
+    stack = stack_factory(sim_args=["--ttft", "0.4", "--max-num-seqs", "6"],
+                          env={"EAGLE3Q_INFLIGHT_MODE": "adaptive", "EAGLE3Q_INFLIGHT_LIMIT": "32",
+                               "EAGLE3Q_INFLIGHT_MIN": "2", "EAGLE3Q_INFLIGHT_PERIOD_S": "0.2"})
+    stack.worker("inference", concurrency=16)
+    stack.worker("inference", concurrency=16)
+    stack.enqueue(SAMPLE_DATASET, "adapt", max_samples=120)
+    stack.wait_settled("adapt", timeout_s=180)
+    limit = InflightLimiter(stack.ledger.r, "adaptive", 32, 2, 512, lease_s=60).limit()
+    metrics = httpx.get(stack.sim_urls[0][:-3] + "/metrics").text
+    assert 5 <= limit <= 12, limit  # down from 32 to about the server's 6 slots, not collapsed to the minimum
+    assert parse_gauge(metrics, "eagle3q_sim_peak_running") == 6  # and the server was kept full
+    assert stack.ledger.counts("adapt", "inference").done == 120
