@@ -15,9 +15,25 @@ def bytes_per_token(hidden_size: int, n_aux: int = 3) -> int:
     return BF16 * hidden_size * (n_aux + 1) + 8 + 1
 
 
+def _config_path(target: str) -> Path | None:
+    """config.json of a local directory, or of a hub id already in the local Hugging Face cache (no download)."""
+    if not target:
+        return None
+    local = Path(target) / "config.json"
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(target, "config.json")
+    except Exception:  # noqa: BLE001 - not a hub id, no hub library: no estimate
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def target_hidden_size(target: str) -> int | None:
-    cfg = Path(target) / "config.json"
-    if not target or not cfg.is_file():
+    cfg = _config_path(target)
+    if cfg is None:
         return None
     data = json.loads(cfg.read_text())
     data = data.get("text_config", data)  # multimodal wrappers (Kimi-K2.5) nest the language model's config

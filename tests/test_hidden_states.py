@@ -97,3 +97,24 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
     with pytest.raises(OverflowError):
         write_hidden(tmp_path / "x.safetensors", ids, [1] * 20, huge, {})
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypatch):  # noqa: ANN001
+    from eagle3q.config import Settings
+    from eagle3q.hidden_estimate import bytes_per_token, estimate_for_run
+
+    assert bytes_per_token(7168) == 2 * 7168 * 4 + 9  # Kimi-K2.5: ~57 KB per token
+    local = estimate_for_run(Settings(target_model=str(tiny), max_tokens=1024), 100, tokens_per_sample=1000)
+    assert local and "H=64" in local and f"{100 * 1000 * bytes_per_token(64) / 1e9:.2f} GB" in local
+    # A hub id whose config is in the local Hugging Face cache (Kimi-K2.5 nests it under text_config).
+    snap = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"text_config": {"hidden_size": 7168}}')
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    est = estimate_for_run(Settings(target_model="moonshotai/Kimi-K2.5"), 10_000, tokens_per_sample=2000)
+    total = 10_000 * 2000 * bytes_per_token(7168)
+    assert 1.1e12 < total < 1.2e12  # the ~1.1 TB of DESIGN.md
+    assert est and "H=7168" in est and f"{total / 1e9:.2f} GB" in est
+    assert estimate_for_run(Settings(target_model="nobody/unknown-model"), 10, tokens_per_sample=10) is None
