@@ -93,6 +93,18 @@ def status(
     show(ledger, run, watch=watch)
 
 
+def worker_args(role: str, concurrency: int | None, name: str | None, loglevel: str, default_threads: int,
+                prefetch_multiplier: int) -> list[str]:
+    """The celery command line of a role: events on (-E) for Flower, threads for inference, one task at a time for
+    the GPU roles."""
+    queue, pool = ROLES[role]
+    c = 1 if pool == "solo" else (concurrency or default_threads)
+    prefetch = prefetch_multiplier if role == "inference" else 1
+    return [sys.executable, "-m", "celery", "-A", "eagle3q.celery_app", "worker", "-Q", queue, "-P", pool,
+            "-c", str(c), "-E", "--prefetch-multiplier", str(prefetch), "--without-gossip", "--without-mingle",
+            "-n", f"{name or role}@%h", "--loglevel", loglevel]
+
+
 @app.command()
 def worker(
     role: str = typer.Argument(..., help="inference | hidden_states | train"),
@@ -103,17 +115,10 @@ def worker(
     """Start a Celery consumer for one role (the same as the plain `celery ... worker` command it runs)."""
     if role not in ROLES:
         raise typer.BadParameter(f"role must be one of {sorted(ROLES)}")
-    queue, pool = ROLES[role]
     from eagle3q.config import get_settings
 
-    s = get_settings()
-    c = concurrency or (s.inflight_limit if role == "inference" else 1)
-    prefetch = s.prefetch_multiplier if role == "inference" else 1
-    if pool == "solo":
-        c = 1
-    args = [sys.executable, "-m", "celery", "-A", "eagle3q.celery_app", "worker", "-Q", queue, "-P", pool,
-            "-c", str(c), "-E", "--prefetch-multiplier", str(prefetch), "--without-gossip", "--without-mingle",
-            "-n", f"{name or role}@%h", "--loglevel", loglevel]
+    args = worker_args(role, concurrency, name, loglevel, get_settings().inflight_limit,
+                       get_settings().prefetch_multiplier)
     os.execv(sys.executable, args)
 
 

@@ -93,7 +93,21 @@ def test_redis_flower_and_secrets():
             if re.search(r"PASSWORD|API_KEY|_TOKEN$|AUTH", key):
                 assert "${" in str(value), (name, key)
     assert ".env" in (ROOT / ".gitignore").read_text()
-    assert "-E" not in " ".join(_cmd(SERVICES["inference"]))  # events are switched on by `eagle3q worker` itself
+
+
+
+def test_worker_command_lines():
+    from eagle3q.cli import worker_args
+
+    inf = worker_args("inference", 32, None, "INFO", 128, 2)
+    assert inf[inf.index("-P") + 1] == "threads" and inf[inf.index("-c") + 1] == "32"
+    assert "-E" in inf and inf[inf.index("--prefetch-multiplier") + 1] == "2"
+    assert worker_args("inference", None, "x", "INFO", 128, 2)[inf.index("-c") + 1] == "128"
+    for role in ("hidden_states", "train"):
+        gpu = worker_args(role, 8, None, "INFO", 128, 2)
+        assert gpu[gpu.index("-P") + 1] == "solo" and gpu[gpu.index("-c") + 1] == "1"
+        assert gpu[gpu.index("--prefetch-multiplier") + 1] == "1" and "-E" in gpu
+        assert gpu[gpu.index("-Q") + 1] == role
 
 
 def test_vllm_defaults_are_kimi_k2():
