@@ -225,18 +225,11 @@ def eval_draft(
 ) -> None:
     """Greedy speculative decoding of the draft against its target: mean acceptance length for k = 1..5."""
     from eagle3q.config import get_settings
-    from eagle3q.evaluate import evaluate
-    from eagle3q.profiles import get_profile
-    from eagle3q.sim.templates import render_prompt
-    from eagle3q.sources import Prompt, iter_prompts
+    from eagle3q.evaluate import dataset_prompts, evaluate
     from eagle3q.tiny import SAMPLE_DATASET
-    from eagle3q.tokenizer import load_tokenizer
 
     s = get_settings()
-    tok = load_tokenizer(s.tokenizer or s.target_model)
-    profile = get_profile(s.profile)
-    ids = [tok.encode(render_prompt(profile, p.messages, s.thinking))
-           for p in iter_prompts(dataset or SAMPLE_DATASET) if isinstance(p, Prompt)][:prompts]
+    ids = dataset_prompts(dataset or SAMPLE_DATASET, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)
     trained = evaluate(s.target_model, str(export), ids, max_new=max_new)
     typer.echo("k  trained" + ("  untrained" if baseline else ""))
     untrained = evaluate(s.target_model, None, ids, max_new=max_new, draft_vocab_size=s.draft_vocab_size) \

@@ -16,22 +16,6 @@ from eagle3q.status import render, snapshot
 from eagle3q.tiny import SAMPLE_DATASET, build_model
 
 
-def eval_prompts(tokenizer_dir: Path, n: int = 8) -> list[list[int]]:
-    from eagle3q.profiles import KIMI_K2
-    from eagle3q.sim.templates import render_prompt
-    from eagle3q.sources import Prompt, iter_prompts
-    from eagle3q.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(str(tokenizer_dir))
-    out = []
-    for item in iter_prompts(SAMPLE_DATASET):
-        if isinstance(item, Prompt) and item.row % 25 == 3:  # a spread of rows
-            out.append(tok.encode(render_prompt(KIMI_K2, item.messages, True)))
-        if len(out) >= n:
-            break
-    return out
-
-
 def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> int:
     console = Console(width=140)
     workdir = workdir.resolve()
@@ -73,9 +57,9 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> 
             console.print("[red]demo timed out[/red]")
             return 1
         console.print(render(snapshot(ledger, run)))
-        from eagle3q.evaluate import evaluate
+        from eagle3q.evaluate import dataset_prompts, evaluate
 
-        prompts = eval_prompts(tiny)
+        prompts = dataset_prompts(SAMPLE_DATASET, str(tiny), "kimi_k2", True, 8, stride=25, offset=3)  # a spread
         export = s.store_dir / run / "train" / "export"
         trained = evaluate(str(tiny), str(export), prompts, max_new=32)
         untrained = evaluate(str(tiny), None, prompts, max_new=32, draft_vocab_size=s.draft_vocab_size)

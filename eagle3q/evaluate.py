@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -74,19 +76,44 @@ def acceptance_length(target: TargetRunner, draft: Eagle3Draft, d2t: torch.Tenso
     return sum(lengths) / len(lengths) if lengths else 0.0
 
 
+def dataset_prompts(path: Path, tokenizer: str, profile: str, thinking: bool, n: int, stride: int = 1,
+                    offset: int = 0) -> list[list[int]]:
+    """The first n prompts of a data set (rows with row % stride == offset), rendered by the profile's template and
+    tokenized as the server would."""
+    from eagle3q.profiles import get_profile
+    from eagle3q.sim.templates import render_prompt
+    from eagle3q.sources import Prompt, iter_prompts
+    from eagle3q.tokenizer import load_tokenizer
+
+    tok, prof = load_tokenizer(tokenizer), get_profile(profile)
+    out: list[list[int]] = []
+    for item in iter_prompts(path):
+        if len(out) >= n:
+            break
+        if isinstance(item, Prompt) and item.row % stride == offset:
+            out.append(tok.encode(render_prompt(prof, item.messages, thinking)))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _target(target_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
+    """The target model and its embedding / head tensors, loaded once for every draft measured against it."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3q.target_weights import load_target_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return model, load_target_tensors(target_dir)
+
+
 def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], ks: Sequence[int] = (1, 2, 3, 4, 5),
              max_new: int = 48, untrained_seed: int | None = None, draft_vocab_size: int = 32000) -> dict[int, float]:
     """Mean acceptance length per k for an exported draft, or (export_dir None) an untrained one as the baseline."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
     from eagle3q.export import load_exported
     from eagle3q.hidden_states import default_aux_ids
-    from eagle3q.target_weights import load_target_tensors, target_config
+    from eagle3q.target_weights import target_config
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    tensors = load_target_tensors(target_dir)
+    model, tensors = _target(target_dir)
     if export_dir is not None:
         draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
         aux_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
