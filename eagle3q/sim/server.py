@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle3q.profiles import get_profile, resolve
+from eagle3q.profiles import ResolvedProfile, get_profile, resolve
 from eagle3q.sim.templates import render_prompt
 from eagle3q.sim.textgen import output_lengths, words_for
 from eagle3q.tokenizer import load_tokenizer
@@ -372,15 +372,14 @@ class Simulator:
 class _GreedyLM:
     """Greedy continuation with a local transformers model, never emitting the template's special tokens."""
 
-    def __init__(self, path: str, ids: object):
+    def __init__(self, path: str, ids: ResolvedProfile):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
         torch.set_num_threads(1)  # the simulator shares the machine with the workers it serves
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.vocab = int(self.model.config.vocab_size)
-        self.suppress = sorted({ids.open_id, ids.close_id, ids.end_id, 0})  # type: ignore[attr-defined]
+        self.suppress = sorted({ids.open_id, ids.close_id, ids.end_id, 0})
 
     def continue_(self, prefix: list[int], n: int) -> list[int]:
         torch = self.torch
