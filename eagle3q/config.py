@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     # finishes waits for the broker round trip before its next request, which cost 6% of throughput at 32 in flight
     # (bench/bench_throughput.py); with 2 the next message is already local. Still bounded: 2 x threads per worker.
     prefetch_multiplier: int = 2
+    # Lost-message sweep (eagle3q.reconcile): every worker runs it, one at a time. An id the broker no longer holds in
+    # two sweeps `grace` apart is sent again. 0 turns it off.
+    reconcile_period_s: float = 30.0
+    reconcile_grace_s: float = 60.0
+    reconcile_scan_limit: int = 20000  # longer queues (a backlog still draining) are not scanned
 
     # --- store ---
     store_dir: Path = Path("var/store")

@@ -3,6 +3,11 @@
 Per run and stage, a sample id is in at most one terminal place: `done` (a sorted set scored by completion time, so
 rates come from the same data) or `rejected` (a hash id -> reason). The first terminal mark wins; redelivered tasks
 find it and count nothing. Training fires once through `SET fired NX`.
+
+Every id that entered a stage and is not terminal yet is also in the stage's `open` hash (for inference the value is
+the task payload, written by the producer before it sends; for hidden states it is empty, a sample ref needs nothing
+more). The terminal mark removes it. `eagle3q.reconcile` compares `open` with what the broker really holds and sends
+again what the broker lost.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from redis.retry import Retry
 
 STAGES = ("inference", "hidden_states")
 
-# Mark one id terminal in one stage, once. KEYS: done_z, rejected_h, reasons_h, stats_h, enqueued_s
-# ARGV: id, ts, kind ("done"|"rejected"), reason, then pairs of stat-name, increment.
+# Mark one id terminal in one stage, once. KEYS: done_z, rejected_h, reasons_h, stats_h, enqueued_s, open_h,
+# next_open_h ('' for the last stage). ARGV: id, ts, kind ("done"|"rejected"), reason, then stat-name, increment pairs.
+# An accepted id leaves this stage's open hash and enters the next stage's in the same step: it is never in neither.
 _MARK = """
+redis.call('HDEL', KEYS[6], ARGV[1])
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
 if ARGV[3] == 'done' then
   redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+  if KEYS[7] ~= '' then redis.call('HSET', KEYS[7], ARGV[1], '') end
 else
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
   redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
@@ -123,6 +131,22 @@ class Ledger:
     def add_enqueued(self, run: str, ids: list[str]) -> int:
         return int(self.r.sadd(self.k(run, "enqueued"), *ids)) if ids else 0
 
+    # --- open ids (entered a stage, not terminal yet) ---
+    def open_tasks(self, run: str, payloads: dict[str, str]) -> None:
+        """The producer records each inference payload before sending it, so a message the broker loses can be sent
+        again from Redis alone (the data set may live on another machine)."""
+        if payloads:
+            self.r.hset(self.k(run, "open", "inference"), mapping=payloads)
+
+    def open_count(self, run: str, stage: str) -> int:
+        return int(self.r.hlen(self.k(run, "open", stage)))
+
+    def open_ids(self, run: str, stage: str) -> set[str]:
+        return set(self.r.hkeys(self.k(run, "open", stage)))
+
+    def open_payload(self, run: str, stage: str, sample_id: str) -> str | None:
+        return self.r.hget(self.k(run, "open", stage), sample_id)
+
     def pending_ids(self, run: str, stage: str = "inference") -> set[str]:
         incoming = (
             self.r.smembers(self.k(run, "enqueued"))
@@ -152,6 +176,8 @@ class Ledger:
             self.k(run, "stats", stage),
             # An id finished before the producer recorded it (the producer records after sending) still counts.
             self.k(run, "enqueued") if stage == "inference" else "",
+            self.k(run, "open", stage),
+            self.k(run, "open", STAGES[STAGES.index(stage) + 1]) if stage != STAGES[-1] else "",
         ]
         argv: list[str | int | float] = [sample_id, time.time(), kind, reason]
         for name, inc in stats.items():

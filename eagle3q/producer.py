@@ -84,6 +84,8 @@ def enqueue(
         known = ledger.known(run, [t.sample_id for t in batch])
         fresh = [t for t, k in zip(batch, known, strict=True) if not k]
         report.skipped_known += len(batch) - len(fresh)
+        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.reconcile).
+        ledger.open_tasks(run, {t.sample_id: t.model_dump_json() for t in fresh})
         with app.producer_or_acquire() as producer:
             for t in fresh:
                 send(app, t, producer)

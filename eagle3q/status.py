@@ -49,6 +49,7 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             "retries": {k[6:]: v for k, v in c.stats.items() if k.startswith("retry_")},
             "store_errors": c.stats.get("store_errors", 0),
             "task_errors": c.stats.get("task_errors", 0),
+            "resent_lost": c.stats.get("resent_lost", 0),
         }
     return out
 
@@ -93,6 +94,8 @@ def render(snap: dict) -> Group:
         if st["task_errors"]:
             extra.append(f"[red]unexpected task errors in {name}: {st['task_errors']} (tasks kept and retried; "
                          "see the worker logs)[/red]")
+        if st["resent_lost"]:
+            extra.append(f"[yellow]{name} tasks lost by the broker and sent again: {st['resent_lost']}[/yellow]")
     tr = snap["train"]
     if tr:
         line = f"training: {tr.get('state', '?')} step {tr.get('step', 0)}/{tr.get('total_steps', '?')}"
@@ -102,6 +105,8 @@ def render(snap: dict) -> Group:
             line += f" acc@ttt {tr['acc']}"
         if "acceptance" in tr:
             line += f" | mean acceptance length {tr['acceptance']}"
+        if tr.get("state") == "failed":
+            line = f"[red]{line}: {tr.get('error', '')} (see the trainer log; `eagle3q train` reruns it)[/red]"
         extra.append(line)
     elif snap["train_fired"]:
         extra.append("training: triggered, waiting for a trainer")

@@ -61,3 +61,16 @@ def _serve_metrics(**_: object) -> None:
     if port:
         METRICS.serve(port)
         log.info("worker metrics on :%d/metrics", port)
+
+
+@worker_ready.connect
+def _start_reconciler(sender=None, **_: object) -> None:  # noqa: ANN001 - the worker's consumer
+    s = get_settings()
+    if s.reconcile_period_s <= 0 or sender is None:
+        return
+    from eagle3q.ledger import Ledger
+    from eagle3q.reconcile import start_in_background
+
+    start_in_background(sender.app, Ledger.from_url(s.broker_url()), s.reconcile_period_s, s.reconcile_grace_s,
+                        s.reconcile_scan_limit)
+    log.info("lost-message sweep every %.0fs (grace %.0fs)", s.reconcile_period_s, s.reconcile_grace_s)

@@ -26,11 +26,16 @@ def train(self, payload: dict) -> str:  # noqa: ANN001
     from eagle3q.train import TrainingBusy, train_run
 
     s = get_settings()
+    ledger = Ledger.from_url(s.broker_url())
     try:
-        result = train_run(ref.run, s, Store(s.store_dir), Ledger.from_url(s.broker_url()))
+        result = train_run(ref.run, s, Store(s.store_dir), ledger)
     except TrainingBusy as e:
         # A duplicate delivery while another trainer works on the run: come back later (the lease tells whether the
         # other one is still alive), never train twice at once.
         log.info("%s; retrying in 60 s", e)
         raise self.retry(countdown=60, exc=e) from None
+    except Exception as e:
+        # Shown in `eagle3q status`, and the lost-message sweep leaves a failed run alone (`eagle3q train` reruns it).
+        ledger.set_train_progress(ref.run, state="failed", error=f"{type(e).__name__}: {e}"[:500])
+        raise
     return result.summary()

@@ -39,7 +39,9 @@ def test_sigkill_inference_worker_mid_request(stack_factory):  # noqa: ANN001
 
 
 def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
-    stack = stack_factory(sim_args=["--ttft", "0.3"])
+    # A quick lost-message sweep: a message Redis popped but never delivered before it stopped comes back in seconds.
+    stack = stack_factory(sim_args=["--ttft", "0.3"], env={"EAGLE3Q_RECONCILE_PERIOD_S": "1",
+                                                           "EAGLE3Q_RECONCILE_GRACE_S": "3"})
     stack.worker("inference", concurrency=4)
     stack.worker("hidden_states")
     stack.enqueue(SAMPLE_DATASET, "restart", max_samples=60)

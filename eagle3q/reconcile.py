@@ -1,0 +1,204 @@
+"""Send again the tasks the broker lost, so that every prompt still ends as accepted or rejected.
+
+Acks-late and the visibility timeout cover a worker that dies. They do not cover a message that leaves its queue
+list and never reaches kombu's `unacked` hash: Redis pops it for a BRPOP and stops (SIGTERM, crash, failover) before
+the reply is written, or the worker's `unacked` write fails on the dropped connection. The message is then nowhere,
+and its id would stay "queued" forever, with the run never settling and training never firing.
+
+The ledger knows what should exist: each stage's `open` hash holds the ids that entered it and are not terminal
+(with the inference payload). A sweep compares it with what the broker holds (the queue lists and `unacked`); an id
+seen stranded in two sweeps at least `grace_s` apart is sent again. A wrong guess costs one duplicate execution and
+nothing else: every stage is idempotent (the ledger's first terminal mark wins).
+
+One sweep runs at a time across all workers (a lock in Redis); each worker process runs `start_in_background`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from eagle3q.celery_app import ROUTES, TASK_EXTRACT, TASK_GENERATE, TASK_TRAIN
+from eagle3q.ledger import STAGES, Ledger
+
+log = logging.getLogger("eagle3q.reconcile")
+STAGE_TASK = {"inference": TASK_GENERATE, "hidden_states": TASK_EXTRACT, "train": TASK_TRAIN}
+TASK_STAGE = {task: stage for stage, task in STAGE_TASK.items()}
+CHUNK = 1000
+LOCK_KEY = "e3q:reconcile:lock"
+SEEN_KEY = "e3q:reconcile:seen"  # "stage|run|id" -> when first seen stranded
+
+# (stage, run, sample_id); sample_id is "" for the train stage (one task per run).
+Ref = tuple[str, str, str]
+Send = Callable[[str, str, str, str | None], None]  # (stage, run, sample_id, inference payload or None)
+
+
+def message_ref(raw: dict) -> Ref | None:
+    """The (stage, run, id) of one of our kombu messages, read from its body (not from Flower's argsrepr)."""
+    try:
+        stage = TASK_STAGE.get(raw["headers"]["task"])
+        if stage is None:
+            return None
+        body = raw["body"]
+        if raw.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        payload = json.loads(body)[0][0]
+        return stage, payload["run"], payload.get("sample_id", "")
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+@dataclass
+class SweepReport:
+    checked: int = 0  # open ids compared with the broker
+    stranded: int = 0  # not held by the broker in this sweep
+    resent: dict[Ref, int] = field(default_factory=dict)  # (stage, run, "") -> tasks sent again
+    skipped: list[str] = field(default_factory=list)  # what was too large to scan this time, and why
+
+
+class Reconciler:
+    def __init__(self, ledger: Ledger, send: Send, grace_s: float = 60.0, scan_limit: int = 20000,
+                 key_prefix: str = "", unacked_key: str = "unacked", lock_s: float = 20.0):
+        self.ledger, self.r, self.send = ledger, ledger.r, send
+        self.grace_s, self.scan_limit, self.lock_s = grace_s, scan_limit, lock_s
+        self.prefix, self.unacked_key = key_prefix, key_prefix + unacked_key
+        self.token = uuid.uuid4().hex
+
+    # --- what the broker holds ---
+    def _queue_key(self, stage: str) -> str:
+        return self.prefix + ROUTES[STAGE_TASK[stage]]["queue"]
+
+    def _queued(self, stage: str) -> Iterator[dict]:
+        key = self._queue_key(stage)
+        n = self.r.llen(key)
+        for start in range(0, n, CHUNK):
+            for raw in self.r.lrange(key, start, start + CHUNK - 1):
+                yield json.loads(raw)
+
+    def _unacked(self) -> Iterator[dict]:
+        for _, raw in self.r.hscan_iter(self.unacked_key, count=CHUNK):
+            yield json.loads(raw)[0]  # [message, exchange, routing key]
+
+    def held(self, stages: list[str]) -> set[Ref]:
+        """Everything waiting in a queue list or delivered and unacknowledged. Lists before `unacked`: a message
+        moves from a list to `unacked` (delivery) far more often than back (restore), so it is seen in one of them."""
+        out: set[Ref] = set()
+        for stage in stages:
+            out.update(ref for raw in self._queued(stage) if (ref := message_ref(raw)))
+        out.update(ref for raw in self._unacked() if (ref := message_ref(raw)))
+        return out
+
+    # --- what the ledger says should exist ---
+    def _expected(self, report: SweepReport) -> tuple[set[Ref], list[str]]:
+        """The refs the broker should hold, and the stages whose queues must be scanned for them."""
+        expected: set[Ref] = set()
+        stages: list[str] = []
+        runs = self.ledger.runs()
+        for stage in STAGES:
+            qlen = self.r.llen(self._queue_key(stage))
+            if qlen > self.scan_limit:  # a backlog still draining: nothing of this stage can be stalled yet
+                report.skipped.append(f"{stage}: {qlen} queued > scan limit {self.scan_limit}")
+                continue
+            stages.append(stage)
+            for run in runs:
+                n = self.ledger.open_count(run, stage)
+                if n > self.scan_limit:
+                    report.skipped.append(f"{run}/{stage}: {n} open > scan limit {self.scan_limit}")
+                elif n:
+                    expected.update((stage, run, sid) for sid in self.ledger.open_ids(run, stage))
+        trains = {("train", run, "") for run in runs if self._train_outstanding(run)}
+        if trains:
+            expected |= trains
+            stages.append("train")
+        return expected, stages
+
+    def _train_outstanding(self, run: str) -> bool:
+        """Fired, not finished or failed, and no trainer holding the run's lease."""
+        if not self.ledger.train_fired(run):
+            return False
+        if self.ledger.train_progress(run).get("state") in ("done", "failed"):
+            return False
+        return not self.r.exists(self.ledger.k(run, "train_lock"))
+
+    def _still_open(self, ref: Ref) -> bool:
+        stage, run, sid = ref
+        if stage == "train":
+            return self._train_outstanding(run)
+        return not self.ledger.is_terminal(run, stage, sid) and self.r.hexists(self.ledger.k(run, "open", stage), sid)
+
+    # --- one sweep ---
+    def sweep(self, now: float | None = None) -> SweepReport | None:
+        """Returns None when another worker holds the sweep lock."""
+        if not self.r.set(LOCK_KEY, self.token, nx=True, px=int(self.lock_s * 1000)):
+            return None
+        now = time.time() if now is None else now
+        report = SweepReport()
+        expected, stages = self._expected(report)  # the ledger first: an id terminal since then is filtered below
+        report.checked = len(expected)
+        stranded = {ref for ref in expected - self.held(stages) if self._still_open(ref)} if expected else set()
+        report.stranded = len(stranded)
+        seen = {tuple(k.split("|", 2)): float(v) for k, v in self.r.hgetall(SEEN_KEY).items()}
+        first_seen: dict[str, float] = {}
+        for ref in stranded:
+            since = seen.get(ref)
+            if since is None or now - since < self.grace_s:
+                first_seen["|".join(ref)] = now if since is None else since
+                continue
+            stage, run, sid = ref
+            payload = self.ledger.open_payload(run, stage, sid) if stage == "inference" else None
+            if stage == "inference" and not payload:
+                log.error("%s/%s is open in inference without a payload: cannot send it again "
+                          "(`eagle3q enqueue --resend-pending` can, from the data set)", run, sid)
+                continue
+            self.send(stage, run, sid, payload)
+            key = (stage, run, "")
+            report.resent[key] = report.resent.get(key, 0) + 1
+        p = self.r.pipeline()
+        p.delete(SEEN_KEY)
+        if first_seen:
+            p.hset(SEEN_KEY, mapping=first_seen)
+        for (stage, run, _), n in report.resent.items():
+            p.hincrby(self.ledger.k(run, "stats", stage), "resent_lost", n)
+        p.execute()
+        for (stage, run, _), n in report.resent.items():
+            log.warning("run %s: sent %d %s task(s) again that the broker lost", run, n, stage)
+        return report
+
+
+def celery_sender(app) -> Send:  # noqa: ANN001 - the Celery app
+    def send(stage: str, run: str, sample_id: str, payload: str | None) -> None:
+        if stage == "inference":
+            args = [json.loads(payload or "{}")]
+        elif stage == "train":
+            args = [{"run": run}]
+        else:
+            args = [{"run": run, "sample_id": sample_id}]
+        app.send_task(STAGE_TASK[stage], args=args, argsrepr=f"{run}/{sample_id}", kwargsrepr="{}")
+
+    return send
+
+
+def start_in_background(app, ledger: Ledger, period_s: float, grace_s: float, scan_limit: int) -> threading.Thread:  # noqa: ANN001
+    opts = app.conf.broker_transport_options or {}
+    rec = Reconciler(ledger, celery_sender(app), grace_s=grace_s, scan_limit=scan_limit,
+                     key_prefix=opts.get("global_keyprefix", ""), unacked_key=opts.get("unacked_key", "unacked"),
+                     lock_s=period_s * 0.8)
+
+    def loop() -> None:
+        while True:
+            time.sleep(period_s * random.uniform(0.9, 1.1))  # noqa: S311 - jitter, not crypto
+            try:
+                rec.sweep()
+            except Exception as e:  # noqa: BLE001 - Redis may be restarting; the next sweep tries again
+                log.warning("reconcile sweep failed: %s", e)
+
+    t = threading.Thread(target=loop, name="eagle3q-reconcile", daemon=True)
+    t.start()
+    return t
