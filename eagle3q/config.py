@@ -29,8 +29,10 @@ class Settings(BaseSettings):
     # --- broker / ledger ---
     redis_url: str = "redis://localhost:6379/0"
     redis_password: SecretStr | None = None
-    # The visibility clock starts at delivery, not at task start: keep it well above the longest generation.
-    visibility_timeout_s: int = 4 * 3600
+    # A message unacknowledged this long is redelivered, unless the worker holding it is alive: every worker refreshes
+    # the delivery time of what it holds (eagle3q.leases), so this bounds how long a dead worker's prompts wait, not
+    # how long a generation may take.
+    visibility_timeout_s: int = 600
     # How often each worker looks for unacknowledged messages whose visibility timeout has passed (kombu's default
     # sweep is every ~100 s).
     restore_sweep_s: int = 30

@@ -63,6 +63,32 @@ def _serve_metrics(**_: object) -> None:
         log.info("worker metrics on :%d/metrics", port)
 
 
+def _held_tags(consumer) -> list[str]:  # noqa: ANN001 - Celery's worker consumer
+    """Delivery tags of every message this worker holds and has not acknowledged (kombu's QoS bookkeeping; the
+    channel is looked up each time because a reconnect replaces it)."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    qos = getattr(getattr(task_consumer, "channel", None), "qos", None)
+    delivered = getattr(qos, "_delivered", None) or {}
+    return [str(tag) for tag in list(delivered)]
+
+
+@worker_ready.connect
+def _keep_leases(sender=None, **_: object) -> None:  # noqa: ANN001 - the worker's consumer
+    if sender is None:
+        return
+    import redis
+
+    from eagle3q.leases import keep_leases, refresh_interval_s
+
+    s = get_settings()
+    opts = sender.app.conf.broker_transport_options or {}
+    index_key = opts.get("global_keyprefix", "") + opts.get("unacked_index_key", "unacked_index")
+    every_s = refresh_interval_s(s.visibility_timeout_s)
+    keep_leases(redis.Redis.from_url(s.broker_url(), socket_timeout=10), index_key, lambda: _held_tags(sender),
+                every_s)
+    log.info("held messages refreshed every %.1fs (visibility timeout %ds)", every_s, s.visibility_timeout_s)
+
+
 @worker_ready.connect
 def _start_reconciler(sender=None, **_: object) -> None:  # noqa: ANN001 - the worker's consumer
     s = get_settings()

@@ -38,6 +38,23 @@ def test_sigkill_inference_worker_mid_request(stack_factory):  # noqa: ANN001
     assert len(files) == 16  # no stray temp files either
 
 
+def test_live_worker_keeps_tasks_longer_than_the_visibility_timeout(stack_factory):  # noqa: ANN001
+    # Generations of 6 s, a visibility timeout of 2 s swept every second, and an idle second worker ready to take any
+    # redelivered message: only the lease refresh keeps the first worker's messages from running twice.
+    stack = stack_factory(sim_args=["--ttft", "6.0"], env={"EAGLE3Q_VISIBILITY_TIMEOUT_S": "2",
+                                                           "EAGLE3Q_RESTORE_SWEEP_S": "1",
+                                                           "EAGLE3Q_REQUEST_TIMEOUT_S": "30"})
+    stack.worker("inference", concurrency=2)
+    stack.enqueue(SAMPLE_DATASET, "long", max_samples=4)
+    stack.worker("inference", concurrency=2)
+    stack.wait_settled("long", timeout_s=60)
+    done, rejected = assert_accounted(stack, "long")
+    assert len(done) == 4 and not rejected
+    metrics = httpx.get(stack.sim_urls[0][:-3] + "/metrics", timeout=5).text
+    assert parse_gauge(metrics, "vllm:request_success_total") == 4  # one generation per prompt
+    assert _running(stack.sim_urls[0]) == 0  # and none still running twice
+
+
 def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
     # A quick lost-message sweep: a message Redis popped but never delivered before it stopped comes back in seconds.
     stack = stack_factory(sim_args=["--ttft", "0.3"], env={"EAGLE3Q_RECONCILE_PERIOD_S": "1",
