@@ -55,6 +55,13 @@ def celery_config(s: Settings) -> dict:
     }
 
 
+def broker_key(a: Celery, option: str, default: str) -> str:
+    """The Redis key kombu uses for `option` ("unacked_key", "unacked_index_key", or a queue name as default), with
+    the transport's global key prefix."""
+    opts = a.conf.broker_transport_options or {}
+    return opts.get("global_keyprefix", "") + opts.get(option, default)
+
+
 def make_app(s: Settings, include: bool = False) -> Celery:
     """A Celery app for these settings. Producers (and tests) that talk to several brokers make one each: an app
     keeps its connection pool for the broker it first used."""

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from eagle3q.celery_app import ROUTES, TASK_EXTRACT, TASK_GENERATE, TASK_TRAIN
+from eagle3q.celery_app import ROUTES, TASK_EXTRACT, TASK_GENERATE, TASK_TRAIN, broker_key
 from eagle3q.ledger import STAGES, Ledger
 
 log = logging.getLogger("eagle3q.reconcile")
@@ -59,21 +59,21 @@ def message_ref(raw: dict) -> Ref | None:
 class SweepReport:
     checked: int = 0  # open ids compared with the broker
     stranded: int = 0  # not held by the broker in this sweep
-    resent: dict[Ref, int] = field(default_factory=dict)  # (stage, run, "") -> tasks sent again
+    resent: dict[tuple[str, str], int] = field(default_factory=dict)  # (stage, run) -> tasks sent again
     skipped: list[str] = field(default_factory=list)  # what was too large to scan this time, and why
 
 
 class Reconciler:
     def __init__(self, ledger: Ledger, send: Send, grace_s: float = 60.0, scan_limit: int = 20000,
-                 key_prefix: str = "", unacked_key: str = "unacked", lock_s: float = 20.0):
+                 queue_key: Callable[[str], str] = str, unacked_key: str = "unacked", lock_s: float = 20.0):
         self.ledger, self.r, self.send = ledger, ledger.r, send
         self.grace_s, self.scan_limit, self.lock_s = grace_s, scan_limit, lock_s
-        self.prefix, self.unacked_key = key_prefix, key_prefix + unacked_key
+        self.queue_key, self.unacked_key = queue_key, unacked_key  # Redis key names, as kombu names them
         self.token = uuid.uuid4().hex
 
     # --- what the broker holds ---
     def _queue_key(self, stage: str) -> str:
-        return self.prefix + ROUTES[STAGE_TASK[stage]]["queue"]
+        return self.queue_key(ROUTES[STAGE_TASK[stage]]["queue"])
 
     def _queued(self, stage: str) -> Iterator[dict]:
         key = self._queue_key(stage)
@@ -131,7 +131,7 @@ class Reconciler:
         stage, run, sid = ref
         if stage == "train":
             return self._train_outstanding(run)
-        return not self.ledger.is_terminal(run, stage, sid) and self.r.hexists(self.ledger.k(run, "open", stage), sid)
+        return bool(self.r.hexists(self.ledger.k(run, "open", stage), sid))  # the terminal mark deletes it
 
     # --- one sweep ---
     def sweep(self, now: float | None = None) -> SweepReport | None:
@@ -158,16 +158,15 @@ class Reconciler:
                           "(`eagle3q enqueue --resend-pending` can, from the data set)", run, sid)
                 continue
             self.send(stage, run, sid, payload)
-            key = (stage, run, "")
-            report.resent[key] = report.resent.get(key, 0) + 1
+            report.resent[stage, run] = report.resent.get((stage, run), 0) + 1
         p = self.r.pipeline()
         p.delete(SEEN_KEY)
         if first_seen:
             p.hset(SEEN_KEY, mapping=first_seen)
-        for (stage, run, _), n in report.resent.items():
+        for (stage, run), n in report.resent.items():
             p.hincrby(self.ledger.k(run, "stats", stage), "resent_lost", n)
         p.execute()
-        for (stage, run, _), n in report.resent.items():
+        for (stage, run), n in report.resent.items():
             log.warning("run %s: sent %d %s task(s) again that the broker lost", run, n, stage)
         return report
 
@@ -175,7 +174,8 @@ class Reconciler:
 def celery_sender(app) -> Send:  # noqa: ANN001 - the Celery app
     def send(stage: str, run: str, sample_id: str, payload: str | None) -> None:
         if stage == "inference":
-            args = [json.loads(payload or "{}")]
+            assert payload is not None  # the sweep sends no inference task without its recorded payload
+            args = [json.loads(payload)]
         elif stage == "train":
             args = [{"run": run}]
         else:
@@ -186,10 +186,9 @@ def celery_sender(app) -> Send:  # noqa: ANN001 - the Celery app
 
 
 def start_in_background(app, ledger: Ledger, period_s: float, grace_s: float, scan_limit: int) -> threading.Thread:  # noqa: ANN001
-    opts = app.conf.broker_transport_options or {}
     rec = Reconciler(ledger, celery_sender(app), grace_s=grace_s, scan_limit=scan_limit,
-                     key_prefix=opts.get("global_keyprefix", ""), unacked_key=opts.get("unacked_key", "unacked"),
-                     lock_s=period_s * 0.8)
+                     queue_key=lambda queue: broker_key(app, "", queue),
+                     unacked_key=broker_key(app, "unacked_key", "unacked"), lock_s=period_s * 0.8)
 
     def loop() -> None:
         while True:
