@@ -55,11 +55,11 @@ def celery_config(s: Settings) -> dict:
     }
 
 
-def broker_key(a: Celery, option: str, default: str) -> str:
-    """The Redis key kombu uses for `option` ("unacked_key", "unacked_index_key", or a queue name as default), with
+def broker_key(a: Celery, name: str, option: str | None = None) -> str:
+    """The Redis key kombu uses for `name` (a queue, or "unacked" renamed by the transport option `option`), with
     the transport's global key prefix."""
     opts = a.conf.broker_transport_options or {}
-    return opts.get("global_keyprefix", "") + opts.get(option, default)
+    return opts.get("global_keyprefix", "") + (opts.get(option, name) if option else name)
 
 
 def make_app(s: Settings, include: bool = False) -> Celery:

@@ -187,14 +187,16 @@ def celery_sender(app) -> Send:  # noqa: ANN001 - the Celery app
 
 def start_in_background(app, ledger: Ledger, period_s: float, grace_s: float, scan_limit: int) -> threading.Thread:  # noqa: ANN001
     rec = Reconciler(ledger, celery_sender(app), grace_s=grace_s, scan_limit=scan_limit,
-                     queue_key=lambda queue: broker_key(app, "", queue),
-                     unacked_key=broker_key(app, "unacked_key", "unacked"), lock_s=period_s * 0.8)
+                     queue_key=lambda queue: broker_key(app, queue),
+                     unacked_key=broker_key(app, "unacked", "unacked_key"), lock_s=period_s * 0.8)
 
     def loop() -> None:
         while True:
             time.sleep(period_s * random.uniform(0.9, 1.1))  # noqa: S311 - jitter, not crypto
             try:
-                rec.sweep()
+                report = rec.sweep()
+                if report is not None and report.skipped:
+                    log.debug("reconcile sweep did not scan: %s", "; ".join(report.skipped))
             except Exception as e:  # noqa: BLE001 - Redis may be restarting; the next sweep tries again
                 log.warning("reconcile sweep failed: %s", e)
 

@@ -82,7 +82,7 @@ def _keep_leases(sender=None, **_: object) -> None:  # noqa: ANN001 - the worker
     from eagle3q.leases import keep_leases, refresh_interval_s
 
     s = get_settings()
-    index_key = broker_key(sender.app, "unacked_index_key", "unacked_index")
+    index_key = broker_key(sender.app, "unacked_index", "unacked_index_key")
     every_s = refresh_interval_s(s.visibility_timeout_s)
     keep_leases(redis.Redis.from_url(s.broker_url(), socket_timeout=10), index_key, lambda: _held_tags(sender),
                 every_s)
