@@ -9,7 +9,7 @@ import time
 import torch
 from common import report, workdir
 
-from eagle3q.hidden_states import TransformersExtractor, check_tensors, plan_batches, to_safetensors
+from eagle3q.eagle3.extract import TransformersExtractor, check_tensors, plan_batches, to_safetensors
 
 
 def main() -> dict:

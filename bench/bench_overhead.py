@@ -7,9 +7,9 @@ import time
 
 from common import report, stack, synthetic_dataset, tiny_target, workdir
 
-from eagle3q.inference import build_context, run_inference
 from eagle3q.producer import sampling_of, task_for
 from eagle3q.sources import Prompt, iter_prompts
+from eagle3q.stages.inference import build_context, run_inference
 
 N = 400
 SIM = ["--ttft", "0", "--itl", "0", "--mean-output-tokens", "32"]

@@ -7,17 +7,16 @@ import subprocess
 import sys
 import textwrap
 
-from common import ROOT, report, synthetic_dataset, workdir
+from common import report, synthetic_dataset, workdir
 
-from eagle3q.local import RedisServer
+from eagle3q.dev.local import RedisServer
 
 CHILD = textwrap.dedent("""
-    import json, sys
+    import json
     from pathlib import Path
-    sys.path.insert(0, {root!r})
-    from eagle3q.celery_app import make_app
+    from eagle3q.celery.app import make_app
     from eagle3q.config import Settings
-    from eagle3q.ledger import Ledger
+    from eagle3q.control.ledger import Ledger
     from eagle3q.producer import enqueue
     s = Settings(redis_url={url!r})
     rep = enqueue(make_app(s), Ledger.from_url(s.broker_url()), s, Path({data!r}), {run!r})
@@ -28,7 +27,7 @@ CHILD = textwrap.dedent("""
 
 
 def run(url: str, data: str, name: str) -> dict:
-    code = CHILD.format(root=str(ROOT), url=url, data=data, run=name)
+    code = CHILD.format(url=url, data=data, run=name)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

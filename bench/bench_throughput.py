@@ -55,7 +55,7 @@ def main() -> dict:
         ours = N / (time.monotonic() - t0)
         c = st.ledger.counts("bench", "inference")
         assert c.done == N, c
-        ids = st.ledger.r.zrange(st.ledger.k("bench", "done", "inference"), 0, -1)
+        ids = sorted(st.ledger.done_ids("bench", "inference"))
         our_latency = sum(st.store.read_sample("bench", i).latency_s for i in ids) / len(ids)
     finally:
         st.close()

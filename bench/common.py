@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from eagle3q.local import LocalStack  # noqa: E402
-from eagle3q.tiny import build_model, build_tokenizer  # noqa: E402
+from eagle3q.dev.local import LocalStack
+from eagle3q.dev.tiny import build_model, build_tokenizer
 
 
 def workdir(name: str) -> Path:

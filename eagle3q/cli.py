@@ -13,18 +13,10 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="EAGLE-3 training data from vLLM, on Celery + Redis."
 )
 
-ROLES = {
-    # role: (queue, pool). Inference is I/O bound: threads. GPU roles run one task at a time in the main process
-    # (solo): the model is loaded once per process and CUDA never meets fork.
-    "inference": ("inference", "threads"),
-    "hidden_states": ("hidden_states", "solo"),
-    "train": ("train", "solo"),
-}
-
 
 def _ledger():  # noqa: ANN202
     from eagle3q.config import get_settings
-    from eagle3q.ledger import Ledger
+    from eagle3q.control.ledger import Ledger
 
     return Ledger.from_url(get_settings().broker_url())
 
@@ -41,18 +33,20 @@ def enqueue(
     max_prompt_chars: int = typer.Option(200_000, help="rows with longer prompts are reported, not enqueued"),
 ) -> None:
     """Enqueue one inference task per prompt (each assistant turn of each row)."""
-    from eagle3q.celery_app import app as celery_app
+    from eagle3q.celery.app import make_app
     from eagle3q.config import get_settings
-    from eagle3q.hidden_estimate import estimate_for_run
+    from eagle3q.contract import check_run_name
+    from eagle3q.eagle3.estimate import estimate_for_run
     from eagle3q.producer import enqueue as do_enqueue
-    from eagle3q.schemas import RUN_NAME
     from eagle3q.sources import DatasetError
 
-    if not RUN_NAME.match(run):
-        raise typer.BadParameter("run names are 1-64 characters of letters, digits, '_', '.', '-'")
+    try:
+        check_run_name(run)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     s = get_settings()
     try:
-        rep = do_enqueue(celery_app, _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
+        rep = do_enqueue(make_app(s), _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
                          max_prompt_chars, train_target)
     except DatasetError as e:
         typer.echo(f"error: {e}", err=True)
@@ -71,9 +65,7 @@ def enqueue(
 @app.command("bad-rows")
 def bad_rows(run: str = typer.Option("default")) -> None:
     """The data-set rows that were not enqueued, with their reasons."""
-    ledger = _ledger()
-    rows = ledger.r.hgetall(ledger.k(run, "bad_rows"))
-    for row, reason in sorted(rows.items(), key=lambda kv: int(kv[0])):
+    for row, reason in sorted(_ledger().bad_rows(run).items()):
         typer.echo(f"row {row}: {reason}")
 
 
@@ -93,18 +85,6 @@ def status(
     show(ledger, run, watch=watch)
 
 
-def worker_args(role: str, concurrency: int | None, name: str | None, loglevel: str, default_threads: int,
-                prefetch_multiplier: int) -> list[str]:
-    """The celery command line of a role: events on (-E) for Flower, threads for inference, one task at a time for
-    the GPU roles."""
-    queue, pool = ROLES[role]
-    c = 1 if pool == "solo" else (concurrency or default_threads)
-    prefetch = prefetch_multiplier if role == "inference" else 1
-    return [sys.executable, "-m", "celery", "-A", "eagle3q.celery_app", "worker", "-Q", queue, "-P", pool,
-            "-c", str(c), "-E", "--prefetch-multiplier", str(prefetch), "--without-gossip", "--without-mingle",
-            "-n", f"{name or role}@%h", "--loglevel", loglevel]
-
-
 @app.command()
 def worker(
     role: str = typer.Argument(..., help="inference | hidden_states | train"),
@@ -112,14 +92,15 @@ def worker(
     name: str = typer.Option(None, help="worker node name"),
     loglevel: str = typer.Option("INFO"),
 ) -> None:
-    """Start a Celery consumer for one role (the same as the plain `celery ... worker` command it runs)."""
+    """Start a Celery consumer for one role: execs the plain `celery -A workers worker -Q <queue> -P <pool> -c N`
+    (prefetch and events come from the app's config, so the plain command behaves the same)."""
+    from eagle3q.celery.app import worker_args
+    from eagle3q.config import get_settings
+    from eagle3q.contract import ROLES
+
     if role not in ROLES:
         raise typer.BadParameter(f"role must be one of {sorted(ROLES)}")
-    from eagle3q.config import get_settings
-
-    args = worker_args(role, concurrency, name, loglevel, get_settings().inflight_limit,
-                       get_settings().prefetch_multiplier)
-    os.execv(sys.executable, args)
+    os.execv(sys.executable, worker_args(role, concurrency, name, loglevel, get_settings().inflight_limit))
 
 
 @app.command()
@@ -160,7 +141,7 @@ def tiny_model(
     hidden: int = typer.Option(64),
 ) -> None:
     """Build the tiny local target (tokenizer + random Llama) used by the demo and the tests."""
-    from eagle3q.tiny import build_model, build_tokenizer
+    from eagle3q.dev.tiny import build_model, build_tokenizer
 
     build_tokenizer(out)
     if not tokenizer_only:
@@ -174,7 +155,7 @@ def demo(
     max_samples: int | None = typer.Option(None, help="fewer prompts for a quicker look"),
 ) -> None:
     """The whole pipeline locally on the bundled data set and a tiny target (what `make demo` runs)."""
-    from eagle3q.demo import run_demo
+    from eagle3q.dev.demo import run_demo
 
     raise typer.Exit(run_demo(workdir, max_samples))
 
@@ -186,14 +167,13 @@ def vocab(
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from a run's hidden-state files by hand."""
     from eagle3q.config import get_settings
+    from eagle3q.eagle3.target import target_config
+    from eagle3q.eagle3.vocab import build_vocab
     from eagle3q.store import Store
-    from eagle3q.target_weights import target_config
-    from eagle3q.train import build_vocab
 
     s = get_settings()
     store = Store(s.store_dir)
     cfg = target_config(s.target_model)
-    cfg = cfg.get("text_config", cfg)
     out = store.train_dir(run) / "vocab.safetensors"
     out.unlink(missing_ok=True)
     d2t, t2d, cov = build_vocab(store.hidden_files(run), int(cfg["vocab_size"]),
@@ -207,8 +187,8 @@ def train(run: str = typer.Option("default")) -> None:
     import logging
 
     from eagle3q.config import get_settings
+    from eagle3q.stages.train import train_run
     from eagle3q.store import Store
-    from eagle3q.train import train_run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = get_settings()
@@ -225,8 +205,8 @@ def eval_draft(
 ) -> None:
     """Greedy speculative decoding of the draft against its target: mean acceptance length for k = 1..5."""
     from eagle3q.config import get_settings
-    from eagle3q.evaluate import dataset_prompts, evaluate
-    from eagle3q.tiny import SAMPLE_DATASET
+    from eagle3q.dev.tiny import SAMPLE_DATASET
+    from eagle3q.eagle3.evaluate import dataset_prompts, evaluate
 
     s = get_settings()
     ids = dataset_prompts(dataset or SAMPLE_DATASET, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)

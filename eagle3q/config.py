@@ -29,9 +29,9 @@ class Settings(BaseSettings):
     # --- broker / ledger ---
     redis_url: str = "redis://localhost:6379/0"
     redis_password: SecretStr | None = None
-    # A message unacknowledged this long is redelivered, unless the worker holding it is alive: every worker refreshes
-    # the delivery time of what it holds (eagle3q.leases), so this bounds how long a dead worker's prompts wait, not
-    # how long a generation may take.
+    # A message unacknowledged this long is redelivered, unless the worker holding it is alive: every worker
+    # refreshes the delivery time of what it holds (eagle3q.control.leases), so this bounds how long a dead worker's
+    # prompts wait, not how long a generation may take.
     visibility_timeout_s: int = 600
     # How often each worker looks for unacknowledged messages whose visibility timeout has passed (kombu's default
     # sweep is every ~100 s).
@@ -40,8 +40,8 @@ class Settings(BaseSettings):
     # finishes waits for the broker round trip before its next request, which cost 6% of throughput at 32 in flight
     # (bench/bench_throughput.py); with 2 the next message is already local. Still bounded: 2 x threads per worker.
     prefetch_multiplier: int = 2
-    # Lost-message sweep (eagle3q.reconcile): every worker runs it, one at a time. An id the broker no longer holds in
-    # two sweeps `grace` apart is sent again. 0 turns it off.
+    # Lost-message sweep (eagle3q.control.reconcile): every worker runs it, one at a time. An id the broker no longer
+    # holds in two sweeps `grace` apart is sent again. 0 turns it off.
     reconcile_period_s: float = 30.0
     reconcile_grace_s: float = 60.0
     reconcile_scan_limit: int = 20000  # longer queues (a backlog still draining) are not scanned
@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     grad_clip: float = 0.5
     max_len: int = 4096
     checkpoint_every: int = 200
+    # The trainer's run lock: renewed after every step, so a trainer that dies frees its run this long after its
+    # last step (a redelivered training task then takes over from the checkpoint).
+    train_lock_s: int = 120
     seed: int = 0
 
     # --- metrics ---

@@ -8,6 +8,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from eagle3q.contract import SAMPLE_STAGES
+
 
 class WorkerMetrics:
     def __init__(self) -> None:
@@ -33,8 +35,9 @@ class WorkerMetrics:
     def hidden_written(self, n: int = 1) -> None:
         self._hidden.inc(n)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int):  # noqa: ANN201 - the HTTP server (its `shutdown()` stops it)
+        started = start_http_server(port, registry=self.registry)
+        return started[0] if isinstance(started, tuple) else started
 
 
 METRICS = WorkerMetrics()
@@ -43,7 +46,7 @@ METRICS = WorkerMetrics()
 class LedgerCollector:
     """Collects the run-wide counts from Redis at scrape time."""
 
-    def __init__(self, ledger) -> None:  # noqa: ANN001 - eagle3q.ledger.Ledger; avoids an import cycle at start-up
+    def __init__(self, ledger) -> None:  # noqa: ANN001 - eagle3q.control.ledger.Ledger
         self.ledger = ledger
 
     def collect(self):  # noqa: ANN201
@@ -54,7 +57,7 @@ class LedgerCollector:
                                  labels=["run", "stage"])
         rate = GaugeMetricFamily("eagle3q_run_rate", "samples/s over the last minute", labels=["run", "stage"])
         for run in self.ledger.runs():
-            for stage in ("inference", "hidden_states"):
+            for stage in SAMPLE_STAGES:
                 c = self.ledger.counts(run, stage)
                 done.add_metric([run, stage], c.done)
                 pend.add_metric([run, stage], c.pending)

@@ -8,11 +8,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3q.celery_app import TASK_GENERATE
 from eagle3q.config import Settings
+from eagle3q.contract import INFERENCE, InferenceTask, Message, Sampling, send_generate
+from eagle3q.control.ledger import Ledger
 from eagle3q.ids import sample_id
-from eagle3q.ledger import Ledger
-from eagle3q.schemas import InferenceTask, Message, Sampling
 from eagle3q.sources import BadRow, Prompt, iter_prompts
 
 # Batches grow from FIRST_BATCH to BATCH: the first tasks reach the consumers at once, later ones go in bulk.
@@ -38,13 +37,6 @@ class EnqueueReport:
 
 def sampling_of(s: Settings) -> Sampling:
     return Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-
-
-def send(app, task: InferenceTask, producer=None) -> None:  # noqa: ANN001
-    # A short argsrepr: Celery would otherwise repr the whole prompt for every message (a third of the producer's
-    # time), and Flower shows the id, which is what one looks up.
-    app.send_task(TASK_GENERATE, args=[task.model_dump()], producer=producer,
-                  argsrepr=f"{task.run}/{task.sample_id}", kwargsrepr="{}")
 
 
 def task_for(p: Prompt, run: str, dataset: str, s: Settings, sampling: Sampling) -> InferenceTask:
@@ -84,11 +76,11 @@ def enqueue(
         known = ledger.known(run, [t.sample_id for t in batch])
         fresh = [t for t, k in zip(batch, known, strict=True) if not k]
         report.skipped_known += len(batch) - len(fresh)
-        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.reconcile).
+        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.control.reconcile).
         ledger.open_tasks(run, {t.sample_id: t.model_dump_json() for t in fresh})
         with app.producer_or_acquire() as producer:
             for t in fresh:
-                send(app, t, producer)
+                send_generate(app, t, producer)
         # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
         # instead of leaving ids recorded that were never sent.
         ledger.add_enqueued(run, [t.sample_id for t in fresh])
@@ -113,9 +105,7 @@ def enqueue(
     if resend_pending:
         report.resent_pending = resend(app, ledger, settings, dataset_path, run, dataset, split, max_prompt_chars)
 
-    if report.bad_rows:
-        bad = {str(b.row): b.reason for b in report.bad_rows}
-        ledger.r.hset(ledger.k(run, "bad_rows"), mapping=bad)
+    ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})
     ledger.set_meta(run, enqueue_complete=1, bad_rows=len(report.bad_rows))
     report.seconds = time.monotonic() - t0
     return report
@@ -124,7 +114,7 @@ def enqueue(
 def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, dataset: str, split: str,  # noqa: ANN001
            max_prompt_chars: int) -> int:
     """Send again the tasks of ids enqueued but in no terminal place (e.g. a broker that lost its queue)."""
-    pending = ledger.pending_ids(run, "inference")
+    pending = ledger.pending_ids(run, INFERENCE.name)
     if not pending:
         return 0
     sampling = sampling_of(settings)
@@ -133,7 +123,7 @@ def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, datase
         if isinstance(item, Prompt):
             task = task_for(item, run, dataset, settings, sampling)
             if task.sample_id in pending:
-                send(app, task)
+                send_generate(app, task)
                 pending.discard(task.sample_id)
                 n += 1
     return n

@@ -10,7 +10,8 @@ import time
 from rich.console import Console, Group
 from rich.table import Table
 
-from eagle3q.ledger import STAGES, Ledger, StageCounts
+from eagle3q.contract import INFERENCE
+from eagle3q.control.ledger import STAGES, Ledger, StageCounts
 
 
 def _fmt_eta(eta: float | None) -> str:
@@ -85,7 +86,7 @@ def render(snap: dict) -> Group:
     extra = []
     if snap["bad_rows"]:
         extra.append(f"bad data-set rows (not enqueued): {snap['bad_rows']} (see `eagle3q bad-rows`)")
-    retries = snap["stages"]["inference"]["retries"]
+    retries = snap["stages"][INFERENCE.name]["retries"]
     if retries:
         extra.append("transient errors retried: " + ", ".join(f"{k}={v}" for k, v in sorted(retries.items())))
     for name, st in snap["stages"].items():

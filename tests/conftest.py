@@ -1,12 +1,17 @@
+"""Fixtures shared by every test: the tiny target (built locally), a real redis-server, the local stack (real
+redis-server, simulator and Celery worker processes), and the checks that every prompt is accounted for."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from eagle3q.tiny import SAMPLE_DATASET, build_model, build_tokenizer
-from tests.helpers import Stack
+from eagle3q.control.ledger import Ledger
+from eagle3q.dev.local import LocalStack, RedisServer
+from eagle3q.dev.tiny import SAMPLE_DATASET, build_model, build_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +31,24 @@ def dataset() -> Path:
 
 
 @pytest.fixture
-def stack_factory(tmp_path: Path, tiny: Path):
-    stacks: list[Stack] = []
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of this test's own, on a free port."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
 
-    def make(**kw) -> Stack:  # noqa: ANN003
-        s = Stack(tmp_path / f"stack{len(stacks)}", tiny, **kw)
+
+@pytest.fixture
+def ledger(redis_server: RedisServer) -> Ledger:
+    return Ledger.from_url(redis_server.url)
+
+
+@pytest.fixture
+def stack_factory(tmp_path: Path, tiny: Path) -> Iterator[Callable[..., LocalStack]]:
+    stacks: list[LocalStack] = []
+
+    def make(**kw) -> LocalStack:  # noqa: ANN003
+        s = LocalStack(tmp_path / f"stack{len(stacks)}", tiny, **kw)
         stacks.append(s)
         return s
 
@@ -39,9 +57,39 @@ def stack_factory(tmp_path: Path, tiny: Path):
         s.close()
 
 
-def write_jsonl(path: Path, rows: list) -> Path:
+def _write_jsonl(path: Path, rows: list) -> Path:
     with path.open("w") as f:
         for r in rows:
             f.write(r if isinstance(r, str) else json.dumps(r))
             f.write("\n")
     return path
+
+
+@pytest.fixture
+def write_jsonl() -> Callable[[Path, list], Path]:
+    """write_jsonl(path, rows): rows as JSON lines (strings are written as they are: bad rows on purpose)."""
+    return _write_jsonl
+
+
+def _assert_accounted(stack: LocalStack, run: str) -> tuple[set[str], dict[str, str]]:
+    """Every enqueued id is in exactly one place, and the files agree with the ledger."""
+    L = stack.ledger
+    enqueued = L.enqueued_ids(run)
+    done = L.done_ids(run, "inference")
+    rejected = L.rejected(run, "inference")
+    assert not done & set(rejected)
+    assert done | set(rejected) == enqueued
+    files = {p.stem for p in (stack.store.run_dir(run) / "samples").glob("*/*.json")}
+    assert files == done
+    rej_files = {p.stem for p in (stack.store.run_dir(run) / "rejected" / "inference").glob("*/*.json")}
+    assert rej_files == set(rejected)
+    c = L.counts(run, "inference")
+    assert c.incoming == c.done + c.rejected == len(enqueued)
+    assert sum(c.reasons.values()) == c.rejected
+    return done, rejected
+
+
+@pytest.fixture
+def assert_accounted() -> Callable[[LocalStack, str], tuple[set[str], dict[str, str]]]:
+    """assert_accounted(stack, run) -> (accepted ids, rejected id -> reason), after checking nothing is lost."""
+    return _assert_accounted

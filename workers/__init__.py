@@ -1,1 +1,8 @@
-"""Celery consumers, one module per role. Thin: the work is done by the eagle3q library."""
+"""The entry point Celery loads: `celery -A workers worker -Q <queue> -P <pool> -c N` (what `eagle3q worker <role>`
+runs), and `celery -A workers flower`. The app, its tasks and its services live in `eagle3q.celery`; this package
+only builds the app from the environment's settings, so the library never imports its consumers."""
+
+from eagle3q.celery.app import make_app
+from eagle3q.config import get_settings
+
+app = make_app(get_settings(), worker=True)

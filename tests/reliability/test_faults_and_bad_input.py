@@ -10,14 +10,12 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3q.tiny import SAMPLE_DATASET
-from tests.conftest import write_jsonl
-from tests.test_pipeline import assert_accounted
+from eagle3q.dev.tiny import SAMPLE_DATASET
 
 OUTPUT_REASONS = {"truncated", "missing_think_close", "marker_in_content", "null_token_ids", "missing_reasoning"}
 
 
-def test_faults_at_20_percent(stack_factory):  # noqa: ANN001
+def test_faults_at_20_percent(stack_factory, assert_accounted):  # noqa: ANN001
     faults = "5xx=0.05,429=0.04,timeout=0.03,drop=0.03,truncate=0.02,missing_close=0.02,leak=0.02,null_ids=0.02"
     stack = stack_factory(sim_args=["--faults", faults, "--seed", "11", "--hang-s", "30"],
                           env={"EAGLE3Q_REQUEST_TIMEOUT_S": "1.5", "EAGLE3Q_MAX_RETRIES": "8"})
@@ -35,7 +33,7 @@ def test_faults_at_20_percent(stack_factory):  # noqa: ANN001
         assert retries.get(kind, 0) > 0, retries
 
 
-def test_retry_budget_is_respected(stack_factory):  # noqa: ANN001
+def test_retry_budget_is_respected(stack_factory, assert_accounted):  # noqa: ANN001
     stack = stack_factory(sim_args=["--faults", "5xx=1.0"], env={"EAGLE3Q_MAX_RETRIES": "2"})
     stack.worker("inference", concurrency=4)
     stack.enqueue(SAMPLE_DATASET, "budget", max_samples=6)
@@ -47,7 +45,7 @@ def test_retry_budget_is_respected(stack_factory):  # noqa: ANN001
     assert float(faults.split()[-1]) == 6 * 3  # the first try and exactly two retries each, no more
 
 
-def test_bad_data_sets_report_rows_and_the_rest_runs(stack_factory, tmp_path: Path):  # noqa: ANN001
+def test_bad_data_sets_report_rows_and_the_rest_runs(stack_factory, tmp_path: Path, write_jsonl, assert_accounted):  # noqa: ANN001
     stack = stack_factory(sim_args=["--max-model-len", "300"])
     d = tmp_path / "data"
     d.mkdir()
@@ -80,10 +78,10 @@ def test_bad_data_sets_report_rows_and_the_rest_runs(stack_factory, tmp_path: Pa
     stack.wait_settled("bad")
     done, rejected = assert_accounted(stack, "bad")
     assert len(done) == 4 and list(rejected.values()) == ["prompt_too_long"]
-    assert stack.ledger.r.hlen(stack.ledger.k("bad", "bad_rows")) == 5  # kept for `eagle3q bad-rows`
+    assert len(stack.ledger.bad_rows("bad")) == 5  # kept for `eagle3q bad-rows`
 
 
-def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path: Path):  # noqa: ANN001
+def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path: Path, assert_accounted):  # noqa: ANN001
     blocked = tmp_path / "store-blocked"
     blocked.write_text("a file where the store directory should be")  # root ignores permissions; this it cannot
     stack = stack_factory(env={"EAGLE3Q_STORE_DIR": str(blocked)})

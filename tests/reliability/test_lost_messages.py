@@ -9,20 +9,19 @@ from __future__ import annotations
 import json
 import time
 
-from eagle3q.tiny import SAMPLE_DATASET
-from tests.test_pipeline import assert_accounted
+from eagle3q.dev.tiny import SAMPLE_DATASET
 
 FAST_SWEEP = {"EAGLE3Q_RECONCILE_PERIOD_S": "0.5", "EAGLE3Q_RECONCILE_GRACE_S": "1.5"}
 
 
 def _stat(stack, run: str, stage: str, name: str) -> int:  # noqa: ANN001
-    return int(stack.ledger.r.hget(stack.ledger.k(run, "stats", stage), name) or 0)
+    return stack.ledger.stat(run, stage, name)
 
 
-def test_lost_inference_messages_are_sent_again(stack_factory):  # noqa: ANN001
+def test_lost_inference_messages_are_sent_again(stack_factory, assert_accounted):  # noqa: ANN001
     stack = stack_factory(env=FAST_SWEEP, sim_args=["--ttft", "0.1"])
     stack.enqueue(SAMPLE_DATASET, "lost", max_samples=24)
-    r = stack.ledger.r
+    r = stack.broker
     assert r.llen("inference") == 24
     lost = [json.loads(r.rpop("inference")) for _ in range(3)]
     stack.worker("inference", concurrency=2)  # slow enough that most messages stay queued across several sweeps
@@ -39,13 +38,12 @@ def test_lost_hidden_state_messages_are_sent_again(stack_factory):  # noqa: ANN0
     stack.worker("inference", concurrency=4)
     stack.enqueue(SAMPLE_DATASET, "lost_hs", max_samples=10)
     stack.wait_settled("lost_hs")
-    r = stack.ledger.r
+    r = stack.broker
     assert r.llen("hidden_states") == 10 and stack.ledger.open_count("lost_hs", "hidden_states") == 10
     r.delete("hidden_states")  # every hand-off to the GPU queue lost
     stack.worker("hidden_states")
     stack.wait_settled("lost_hs", stages=("inference", "hidden_states"), timeout_s=90)
-    hs_done = set(r.zrange(stack.ledger.k("lost_hs", "done", "hidden_states"), 0, -1))
-    assert hs_done == set(r.zrange(stack.ledger.k("lost_hs", "done", "inference"), 0, -1))
+    assert stack.ledger.done_ids("lost_hs", "hidden_states") == stack.ledger.done_ids("lost_hs", "inference")
     assert _stat(stack, "lost_hs", "hidden_states", "resent_lost") == 10
     assert stack.ledger.open_count("lost_hs", "hidden_states") == 0
 
@@ -55,7 +53,7 @@ def test_lost_training_task_is_sent_again_and_trains_once(stack_factory):  # noq
     stack.worker("inference", concurrency=4)
     stack.worker("hidden_states")
     stack.enqueue(SAMPLE_DATASET, "lost_train", max_samples=8)
-    r = stack.ledger.r
+    r = stack.broker
     deadline = time.monotonic() + 90
     # `fired` is set a moment before the trigger message is published: wait for the message itself.
     while r.llen("train") == 0 and time.monotonic() < deadline:

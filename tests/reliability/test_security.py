@@ -6,9 +6,11 @@ import subprocess
 import sys
 import time
 
-from eagle3q.celery_app import TASK_EXTRACT, TASK_GENERATE, TASK_TRAIN, app
-from eagle3q.local import child_env
-from eagle3q.tiny import SAMPLE_DATASET
+from eagle3q.celery.app import make_app
+from eagle3q.config import Settings
+from eagle3q.contract import HIDDEN_STATES, INFERENCE, TRAIN
+from eagle3q.dev.local import child_env
+from eagle3q.dev.tiny import SAMPLE_DATASET
 
 PASSWORD = "s3cr3t-redis-pw-7a1"
 API_KEY = "sk-live-secret-key-9f3"
@@ -22,7 +24,11 @@ def _valid_payload(stack) -> dict:  # noqa: ANN001
     return task_for(p, "sec", "d", stack.settings, sampling_of(stack.settings)).model_dump()
 
 
+TASK_GENERATE, TASK_EXTRACT, TASK_TRAIN = INFERENCE.task, HIDDEN_STATES.task, TRAIN.task
+
+
 def test_app_is_json_only():
+    app = make_app(Settings(), worker=True)
     assert app.conf.accept_content == ["json"] and app.conf.task_serializer == "json"
     assert app.conf.result_accept_content == ["json"]
 
@@ -51,7 +57,7 @@ def test_pickle_and_forged_messages_are_refused(stack_factory):  # noqa: ANN001
     assert "Refusing to deserialize untrusted content of type pickle" in log
     assert log.count("refused a InferenceTask message") == 6
     assert not stack.store.root.exists() or not any(stack.store.root.rglob("*.json"))
-    assert not stack.ledger.r.keys("e3q:sec:*") and not stack.ledger.r.keys("e3q:../*")
+    assert not stack.broker.keys("e3q:sec:*") and not stack.broker.keys("e3q:../*")
     # the worker is fine and does real work afterwards
     stack.app.send_task(TASK_GENERATE, args=[good])
     deadline = time.monotonic() + 30

@@ -6,13 +6,10 @@ import os
 import time
 from pathlib import Path
 
-from tests.conftest import write_jsonl
-from tests.test_pipeline import assert_accounted
-
 N = int(os.environ.get("EAGLE3Q_SOAK_PROMPTS", "10000"))
 
 
-def test_soak_10k_with_faults(stack_factory, tmp_path: Path):  # noqa: ANN001
+def test_soak_10k_with_faults(stack_factory, tmp_path: Path, write_jsonl, assert_accounted):  # noqa: ANN001
     rows = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i * 7 % 101}?"},
                                {"from": "gpt", "value": "..."}]} for i in range(N)]
     data = write_jsonl(tmp_path / "soak.jsonl", rows)

@@ -7,16 +7,15 @@ import time
 
 import httpx
 
-from eagle3q.endpoints import parse_gauge
-from eagle3q.tiny import SAMPLE_DATASET
-from tests.test_pipeline import assert_accounted
+from eagle3q.dev.tiny import SAMPLE_DATASET
+from eagle3q.generate.endpoints import parse_gauge
 
 
 def _running(url: str) -> float:
     return parse_gauge(httpx.get(url[:-3] + "/metrics", timeout=5).text, "vllm:num_requests_running")
 
 
-def test_sigkill_inference_worker_mid_request(stack_factory):  # noqa: ANN001
+def test_sigkill_inference_worker_mid_request(stack_factory, assert_accounted):  # noqa: ANN001
     # Slow generations (1 s) so the kill lands while requests are in flight; a short visibility timeout so the
     # unacknowledged tasks come back quickly.
     stack = stack_factory(sim_args=["--ttft", "1.0"], env={"EAGLE3Q_VISIBILITY_TIMEOUT_S": "4",
@@ -38,7 +37,7 @@ def test_sigkill_inference_worker_mid_request(stack_factory):  # noqa: ANN001
     assert len(files) == 16  # no stray temp files either
 
 
-def test_live_worker_keeps_tasks_longer_than_the_visibility_timeout(stack_factory):  # noqa: ANN001
+def test_live_worker_keeps_tasks_longer_than_the_visibility_timeout(stack_factory, assert_accounted):  # noqa: ANN001
     # Generations of 6 s, a visibility timeout of 2 s swept every second, and an idle second worker ready to take any
     # redelivered message: only the lease refresh keeps the first worker's messages from running twice.
     stack = stack_factory(sim_args=["--ttft", "6.0"], env={"EAGLE3Q_VISIBILITY_TIMEOUT_S": "2",
@@ -55,7 +54,7 @@ def test_live_worker_keeps_tasks_longer_than_the_visibility_timeout(stack_factor
     assert _running(stack.sim_urls[0]) == 0  # and none still running twice
 
 
-def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
+def test_redis_restart_mid_run(stack_factory, assert_accounted):  # noqa: ANN001
     # A quick lost-message sweep: a message Redis popped but never delivered before it stopped comes back in seconds.
     stack = stack_factory(sim_args=["--ttft", "0.3"], env={"EAGLE3Q_RECONCILE_PERIOD_S": "1",
                                                            "EAGLE3Q_RECONCILE_GRACE_S": "3"})
@@ -71,7 +70,7 @@ def test_redis_restart_mid_run(stack_factory):  # noqa: ANN001
     stack.wait_settled("restart", stages=("inference", "hidden_states"), timeout_s=240)
     done, rejected = assert_accounted(stack, "restart")
     assert len(done) == 60 and not rejected
-    hs = set(stack.ledger.r.zrange(stack.ledger.k("restart", "done", "hidden_states"), 0, -1))
+    hs = stack.ledger.done_ids("restart", "hidden_states")
     assert hs == done
 
 
@@ -79,7 +78,8 @@ def test_sigkill_trainer_mid_training_resumes_and_trains_once(stack_factory):  #
     import json
 
     stack = stack_factory(env={"EAGLE3Q_EPOCHS": "8", "EAGLE3Q_CHECKPOINT_EVERY": "10", "EAGLE3Q_LR": "3e-3",
-                               "EAGLE3Q_VISIBILITY_TIMEOUT_S": "4", "EAGLE3Q_RESTORE_SWEEP_S": "1"})
+                               "EAGLE3Q_VISIBILITY_TIMEOUT_S": "4", "EAGLE3Q_RESTORE_SWEEP_S": "1",
+                               "EAGLE3Q_TRAIN_LOCK_S": "3"})
     stack.worker("inference", concurrency=8)
     stack.worker("hidden_states")
     trainer = stack.worker("train")
@@ -90,11 +90,10 @@ def test_sigkill_trainer_mid_training_resumes_and_trains_once(stack_factory):  #
     assert int(stack.ledger.train_progress("tkill")["step"]) >= 25
     trainer.kill(signal.SIGKILL)
     assert not (stack.store.train_dir("tkill") / "result.json").exists()
-    stack.ledger.r.delete(stack.ledger.k("tkill", "train_lock"))  # the dead trainer's lease, without waiting 2 min
     stack.worker("train")
     deadline = time.monotonic() + 240
     while stack.ledger.train_progress("tkill").get("state") != "done" and time.monotonic() < deadline:
         time.sleep(0.5)
     result = json.loads((stack.store.train_dir("tkill") / "result.json").read_text())
     assert result["resumed_from"] >= 20 and result["steps"] == 8 * 30  # resumed, not restarted
-    assert stack.ledger.r.get(stack.ledger.k("tkill", "fired", "train")) is not None
+    assert stack.ledger.train_fired("tkill")

@@ -1,0 +1,187 @@
+"""The Celery tasks, one per stage, and their retry policy. Thin: each parses its payload (a malformed or forged
+message is refused, never executed), gets its stage's per-process context and calls the stage module.
+
+The inference role imports this module too (one app, one routing table) and must stay torch-free: the GPU stages'
+heavy imports happen when their first task arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from celery import Celery, Task
+from eagle3q.config import get_settings
+from eagle3q.contract import HIDDEN_STATES, INFERENCE, TRAIN, InferenceTask, RunRef, SampleRef, send_extract, send_train
+from eagle3q.generate.vllm_client import TransientError, backoff_s
+from eagle3q.store import StoreError
+
+log = logging.getLogger("eagle3q.tasks")
+# One INFO line per HTTP request is noise at hundreds of requests per second (and costs the consumers time).
+logging.getLogger("httpx").setLevel(logging.WARNING)
+M = TypeVar("M", bound=BaseModel)
+
+
+class RefusedPayload(Exception):
+    pass
+
+
+def parse_payload(model: type[M], payload: object) -> M:
+    """Validate a message against its schema. A forged or malformed message is refused (logged, acknowledged, never
+    executed), so it cannot loop through redelivery either."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as e:
+        fields = sorted({".".join(str(p) for p in err["loc"]) for err in e.errors()})
+        log.error("refused a %s message that fails validation (fields: %s)", model.__name__, ", ".join(fields))
+        raise RefusedPayload(f"{model.__name__}: invalid fields {fields}") from None
+
+
+# --- retry policy ---------------------------------------------------------------------------------------------------
+
+
+def _delay(task: Task) -> float:
+    s = get_settings()
+    return backoff_s(min(task.request.retries, 8), s.backoff_base_s, s.backoff_max_s)
+
+
+def retry_store_error(task: Task, ledger, run: str, sample_id: str, stage: str, err: Exception) -> Exception:  # noqa: ANN001
+    """The store could not be written: infrastructure, not the sample's fault. Counted, logged loudly and retried
+    with capped backoff for as long as it takes; the message is never acknowledged as done meanwhile."""
+    ledger.incr(run, stage, "store_errors")
+    delay = _delay(task)
+    log.error("%s/%s: store error %s; retry in %.1fs", run, sample_id, err, delay)
+    return task.retry(countdown=delay, exc=err)
+
+
+def retry_unexpected(task: Task, ledger, run: str, sample_id: str, stage: str, err: Exception) -> Exception:  # noqa: ANN001
+    """Anything else (a broker outage outlasting the publish retries, a bug): a failed task would be acknowledged and
+    its prompt lost, so it is retried instead and stays "queued" in the counts, with the traceback in the log."""
+    log.exception("%s/%s: unexpected error in %s, retrying: %s", run, sample_id, stage, err)
+    with contextlib.suppress(Exception):  # Redis itself may be what is down
+        ledger.incr(run, stage, "task_errors")
+    return task.retry(countdown=_delay(task), exc=err)
+
+
+# --- per-process contexts (built on the first task, closed by the worker's bootstep at shutdown) ---------------------
+
+_contexts: dict[str, object] = {}
+_contexts_lock = threading.Lock()
+
+
+def _context(stage: str, build):  # noqa: ANN001, ANN202 - build: () -> the stage's context
+    with _contexts_lock:
+        if stage not in _contexts:
+            _contexts[stage] = build()
+        return _contexts[stage]
+
+
+def close_contexts() -> None:
+    with _contexts_lock:
+        for ctx in _contexts.values():
+            close = getattr(ctx, "close", None)
+            if close is not None:
+                close()
+        _contexts.clear()
+
+
+def _inference_context(app: Celery):  # noqa: ANN202
+    from eagle3q.stages.inference import build_context
+
+    s = get_settings()
+    return build_context(s, lambda run, sid: send_extract(app, run, sid), concurrency=s.inflight_max)
+
+
+def _hidden_context(app: Celery):  # noqa: ANN202
+    from eagle3q.control.ledger import Ledger
+    from eagle3q.eagle3.extract import TransformersExtractor
+    from eagle3q.stages.hidden_states import HiddenContext
+    from eagle3q.store import Store
+
+    s = get_settings()
+    if not s.target_model:
+        raise RuntimeError("EAGLE3Q_TARGET_MODEL is not set: the hidden-state worker needs the target model")
+    extractor = TransformersExtractor(s.target_model, s.aux_layer_ids, s.device, s.dtype)
+    log.info("target %s loaded: L=%d H=%d aux ids %s (vLLM convention)", s.target_model, extractor.num_layers,
+             extractor.hidden_size, extractor.aux_ids)
+    return HiddenContext(Store(s.store_dir), Ledger.from_url(s.broker_url()), extractor, s.token_budget,
+                         lambda run: send_train(app, run))
+
+
+# --- the tasks ------------------------------------------------------------------------------------------------------
+
+
+def generate(self: Task, payload: dict) -> str:
+    try:
+        task = parse_payload(InferenceTask, payload)
+    except RefusedPayload as e:
+        return f"refused: {e}"
+    from eagle3q.stages.inference import reject_exhausted, run_inference
+
+    ctx = _context(INFERENCE.name, lambda: _inference_context(self.app))
+    s = ctx.settings
+    try:
+        return run_inference(task, ctx)
+    except TransientError as e:
+        if self.request.retries >= s.max_retries:
+            reject_exhausted(ctx, task, e)
+            return f"rejected:retries_exhausted_{e.kind}"
+        ctx.ledger.incr(task.run, INFERENCE.name, f"retry_{e.kind}")
+        delay = backoff_s(self.request.retries, s.backoff_base_s, s.backoff_max_s)
+        log.warning("%s/%s: %s; retry %d in %.1fs", task.run, task.sample_id, e.kind, self.request.retries + 1, delay)
+        raise self.retry(countdown=delay, exc=e) from None
+    except StoreError as e:
+        raise retry_store_error(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
+    except Exception as e:  # noqa: BLE001
+        raise retry_unexpected(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
+
+
+def extract(self: Task, payload: dict) -> str:
+    try:
+        ref = parse_payload(SampleRef, payload)
+    except RefusedPayload as e:
+        return f"refused: {e}"
+    from eagle3q.stages.hidden_states import run_extract
+
+    ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))
+    try:
+        return run_extract(ref, ctx)
+    except StoreError as e:
+        raise retry_store_error(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
+    except Exception as e:  # noqa: BLE001
+        raise retry_unexpected(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
+
+
+def train(self: Task, payload: dict) -> str:
+    try:
+        ref = parse_payload(RunRef, payload)
+    except RefusedPayload as e:
+        return f"refused: {e}"
+    from eagle3q.control.ledger import Ledger
+    from eagle3q.stages.train import TrainingBusy, mark_failed, train_run
+    from eagle3q.store import Store
+
+    s = get_settings()
+    ledger = Ledger.from_url(s.broker_url())
+    try:
+        result = train_run(ref.run, s, Store(s.store_dir), ledger)
+    except TrainingBusy as e:
+        # A duplicate delivery while another trainer works on the run: come back later (the lease tells whether the
+        # other one is still alive), never train twice at once.
+        wait_s = max(1, min(60, s.train_lock_s))
+        log.info("%s; retrying in %d s", e, wait_s)
+        raise self.retry(countdown=wait_s, exc=e) from None
+    except Exception as e:
+        mark_failed(ledger, ref.run, e)
+        raise
+    return result.summary()
+
+
+def register(app: Celery) -> None:
+    """The three tasks on `app`, under their contract names."""
+    for stage, fn in ((INFERENCE, generate), (HIDDEN_STATES, extract), (TRAIN, train)):
+        app.task(name=stage.task, bind=True, max_retries=None, shared=False)(fn)  # this app only

@@ -1,0 +1,42 @@
+"""Training checkpoints without pickle: safetensors for the weights and the optimizer's moments, JSON metadata for
+the step and the rest of the schedule. A redelivered training task resumes where the lost one stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle3q.eagle3.model import Eagle3Draft
+from eagle3q.store import write_atomic
+
+
+def save_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> None:
+    from safetensors.torch import save
+
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed")}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        st = opt.state.get(p, {})
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in st:
+                tensors[f"opt.{i}.{name}"] = st[name].contiguous()
+        if "step" in st:
+            state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
+    write_atomic(path, save(tensors, metadata={"state": json.dumps(state)}))
+
+
+def load_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        state = json.loads(f.metadata()["state"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        if f"opt.{i}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(state.get("opt_steps", {}).get(str(i), 0.0)),
+                            "exp_avg": tensors[f"opt.{i}.exp_avg"], "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"]}
+    return state

@@ -1,0 +1,84 @@
+"""Export the draft in the layout vLLM loads with `--speculative-config '{"method": "eagle3", "model": DIR, ...}'`:
+`config.json` (LlamaForCausalLMEagle3) and `model.safetensors` with midlayer.*, fc, norm, lm_head, d2t and t2d."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+from eagle3q.store import write_atomic
+
+REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+MIDLAYER_KEYS = (
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+)
+
+
+def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        # Set explicitly: vLLM's default differs between versions.
+        "norm_before_residual": c.norm_before_residual,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(aux_ids),
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_last_layernorm": True,
+            "use_mtp_layernorm": False,
+        },
+    }
+
+
+def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
+                 aux_ids: list[int]) -> Path:
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.exported_state().items()}
+    tensors["d2t"] = d2t.to(torch.long).contiguous()
+    tensors["t2d"] = t2d.to(torch.bool).contiguous()
+    write_atomic(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    write_atomic(out / "config.json", json.dumps(vllm_config(c, aux_ids), indent=2).encode())
+    return out
+
+
+def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, dict, torch.Tensor, torch.Tensor]:
+    """Load an exported draft back (the evaluation and the tests use exactly what vLLM would read)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    dc = DraftConfig(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+        rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+        max_position_embeddings=cfg["max_position_embeddings"], norm_before_residual=cfg["norm_before_residual"],
+    )
+    model = Eagle3Draft(dc, embed_weight)
+    weights = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+        raise ValueError(f"exported draft does not match: missing {missing}, unexpected {unexpected}")
+    return model.eval(), cfg, tensors["d2t"], tensors["t2d"]

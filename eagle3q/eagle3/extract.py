@@ -1,0 +1,163 @@
+"""Hidden-state extraction: the target's auxiliary and final hidden states for every accepted sample.
+
+Layer ids follow vLLM's convention: id 0 = embedding output, id k = output of decoder layer k-1. The EAGLE-3 default
+is [2, L//2, L-3]; SpecForge / Model-Optimizer write [1, L//2-1, L-4] for the same layers ("output of layer i"): use
+`from_layer_indices` to convert, never copy ids across conventions.
+
+One safetensors file per sample: input_ids [T] (int64), loss_mask [T] (uint8), aux_hidden_states [T, 3H] and
+hidden_state [T, H] (bf16). The file's metadata says whether the final state is post-norm (transformers) or not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from eagle3q.eagle3.target import text_config
+from eagle3q.store import write_atomic
+
+log = logging.getLogger("eagle3q.hidden_states")
+
+
+def default_aux_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def from_layer_indices(indices: Sequence[int]) -> list[int]:
+    """SpecForge/Model-Optimizer "output of layer i" -> vLLM id i + 1."""
+    return [i + 1 for i in indices]
+
+
+def check_aux_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = list(ids)
+    if len(ids) != 3:
+        raise ValueError(f"EAGLE-3 uses 3 auxiliary layers, got {ids}")
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} outside 0..{num_layers} (vLLM convention, L={num_layers})")
+    return ids
+
+
+def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group indices so that (rows x longest) stays within the token budget; similar lengths together (sorted),
+    so padding is small. A sample longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = max([lengths[j] for j in cur] + [lengths[i]])
+        if cur and longest * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@dataclass
+class Extracted:
+    aux: object  # torch.Tensor [T, 3H]
+    final: object  # torch.Tensor [T, H]
+
+
+class TransformersExtractor:
+    """The target through transformers, loaded once per worker process."""
+
+    backend = "transformers"
+
+    def __init__(self, model_path: str, aux_ids: Sequence[int] | None, device: str, dtype: str):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.torch = torch
+        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+        text_cfg = text_config(cfg)
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.hidden_size = int(text_cfg.hidden_size)
+        self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.aux_ids = check_aux_ids(aux_ids or default_aux_ids(self.num_layers), self.num_layers)
+        torch_dtype = getattr(torch, dtype)
+        kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": True}
+        # Larger than one GPU: let accelerate spread the layers over every visible device.
+        if device == "auto":
+            kwargs["device_map"] = "auto"
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        if device != "auto":
+            model = model.to(device)
+        self.device = next(model.parameters()).device
+        self.model = model.eval()
+        # The decoder without the LM head: logits over a 160k vocabulary would cost more than the states we keep.
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+
+    def extract(self, batch: Sequence[Sequence[int]]) -> list[Extracted]:
+        torch = self.torch
+        lengths = [len(x) for x in batch]
+        longest = max(lengths)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, x in enumerate(batch):
+            # Right padding: with a causal mask, real tokens never attend to the pads after them.
+            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            mask[i, : len(x)] = 1
+        with torch.inference_mode():
+            out = self.decoder(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True,
+                use_cache=False,
+            )
+        hs = out.hidden_states
+        aux = torch.cat([hs[i] for i in self.aux_ids], dim=-1)
+        final = hs[self.num_layers]
+        return [Extracted(aux[i, :n].float().cpu(), final[i, :n].float().cpu()) for i, n in enumerate(lengths)]
+
+
+def check_tensors(input_ids: Sequence[int], ex: Extracted, hidden_size: int, n_aux: int = 3) -> str | None:
+    """A named rejection reason, or None when the states are fit to train on."""
+    torch_mod = __import__("torch")
+    t = len(input_ids)
+    if tuple(ex.aux.shape) != (t, n_aux * hidden_size) or tuple(ex.final.shape) != (t, hidden_size):
+        return "hs_length_mismatch"
+    if not bool(torch_mod.isfinite(ex.aux).all()) or not bool(torch_mod.isfinite(ex.final).all()):
+        return "hs_nonfinite"
+    return None
+
+
+def to_safetensors(input_ids: Sequence[int], loss_mask: Sequence[int], ex: Extracted, meta: dict) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    tensors = {
+        "input_ids": torch.tensor(list(input_ids), dtype=torch.long),
+        "loss_mask": torch.tensor(list(loss_mask), dtype=torch.uint8),
+        "aux_hidden_states": ex.aux.to(torch.bfloat16).contiguous(),
+        "hidden_state": ex.final.to(torch.bfloat16).contiguous(),
+    }
+    # bf16 can overflow to inf where float32 did not: check what is actually written.
+    if not torch.isfinite(tensors["aux_hidden_states"]).all() or not torch.isfinite(tensors["hidden_state"]).all():
+        raise OverflowError("hs_nonfinite")
+    return save(tensors, metadata={k: json.dumps(v) for k, v in meta.items()})
+
+
+def write_hidden(path, input_ids, loss_mask, ex: Extracted, meta: dict) -> int:  # noqa: ANN001
+    data = to_safetensors(input_ids, loss_mask, ex, meta)
+    write_atomic(path, data)
+    return len(data)
+
+
+def load_hidden(path) -> dict:  # noqa: ANN001
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def file_is_valid(path, expected_len: int) -> bool:  # noqa: ANN001
+    """A complete file of the right length (a redelivered task trusts it only then)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_slice("input_ids").get_shape() == [expected_len]
+    except Exception:  # noqa: BLE001 - missing or corrupt: extract again
+        return False

@@ -1,0 +1,197 @@
+"""The simulator's engine: deterministic generation (words from a bank, or greedy from a local target model), the
+output faults, vLLM's reasoning split, and the latency model after llm-d-inference-sim: a request holds one of
+`max_num_seqs` slots for TTFT + (n-1)·ITL; requests beyond the limit wait (and show in
+`vllm:num_requests_waiting`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from eagle3q.generate.profiles import ResolvedProfile, get_profile, resolve
+from eagle3q.generate.templates import render_prompt
+from eagle3q.generate.tokenizer import load_tokenizer
+from eagle3q.sim.faults import FAULTS, OUTPUT_FAULTS, prompt_fault
+from eagle3q.sim.textgen import output_lengths, words_for
+
+
+@dataclass
+class SimConfig:
+    tokenizer: str
+    profile: str = "kimi_k2"
+    model: str = "moonshotai/Kimi-K2.5"
+    ttft_s: float = 0.05
+    itl_s: float = 0.002
+    max_num_seqs: int = 256
+    mean_output_tokens: int = 200
+    max_model_len: int = 32768
+    faults: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    expose_reasoning_content: bool = False
+    hang_s: float = 3600.0  # how long a "timeout" fault holds the request open
+    # A local transformers model to generate with (greedy), instead of text from the word bank: the samples are then
+    # the target's own generations, as when vLLM serves the target (the demo trains a draft on them).
+    target_model: str = ""
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    gen_ids: list[int] | None
+    reasoning: str | None
+    content: str | None
+    finish_reason: str
+    n_tokens: int
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.tok = load_tokenizer(cfg.tokenizer)
+        self.profile = get_profile(cfg.profile)
+        self.ids = resolve(self.profile, self.tok.token_to_id, self.tok.vocab_size)
+        self.rng = random.Random(cfg.seed)
+        self.slots = asyncio.Semaphore(cfg.max_num_seqs)
+        self.running = 0
+        self.peak_running = 0
+        self.waiting = 0
+        self.counters = {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.counters.update({f"fault_{f}": 0 for f in FAULTS})
+        self.lm = _GreedyLM(cfg.target_model, self.ids) if cfg.target_model else None
+        self._gen_cache: dict[tuple, Generation] = {}
+        self._executor = None
+
+    def _prompt_fault(self, prompt: str, name: str) -> bool:
+        return prompt_fault(self.cfg.faults, self.cfg.seed, prompt, name)
+
+    def _text_tokens(self, prompt: str, n_tokens: int, salt: str) -> list[int]:
+        ids: list[int] = []
+        words = n_tokens
+        while len(ids) < n_tokens:  # words are >= 1 token each; grow until long enough, then cut at tokens
+            ids = self.tok.encode(" " + words_for(prompt, words, salt))
+            words *= 2
+        return ids[:n_tokens]
+
+    def generate(self, messages: list[dict[str, str]], thinking: bool, max_tokens: int) -> Generation:
+        p, ids = self.profile, self.ids
+        prompt_text = render_prompt(p, messages, thinking)
+        prompt_ids = self.tok.encode(prompt_text)
+        n_reason, n_answer = output_lengths(prompt_text, self.cfg.mean_output_tokens)
+        if self.lm is not None:
+            lead = prompt_ids + ([] if p.prompt_opens_think or not thinking else [ids.open_id])
+            reason_ids = self.lm.continue_(lead, n_reason) if thinking else []
+            answer_ids = self.lm.continue_(lead + reason_ids + ([ids.close_id] if thinking else []), n_answer)
+        else:
+            reason_ids = self._text_tokens(prompt_text, n_reason, "reasoning") if thinking else []
+            answer_ids = self._text_tokens(prompt_text, n_answer, "answer")
+        faults = {f for f in OUTPUT_FAULTS if self._prompt_fault(prompt_text, f)}
+        for f in faults:
+            self.counters[f"fault_{f}"] += 1
+
+        gen: list[int] = []
+        if thinking:
+            if not p.prompt_opens_think:
+                gen.append(ids.open_id)
+            gen += reason_ids
+            if "missing_close" not in faults:
+                gen.append(ids.close_id)
+        gen += answer_ids + [ids.end_id]
+
+        finish = "stop"
+        limit = max_tokens
+        if "truncate" in faults:
+            limit = min(limit, max(1, len(gen) // 2))
+        if len(gen) > limit:
+            gen, finish = gen[:limit], "length"
+
+        reasoning, content = self._parse(gen, thinking)
+        if "leak" in faults and reasoning is not None:
+            # A broken reasoning parser: everything lands in content, markers included.
+            content = self.tok.decode([t for t in gen if t != ids.end_id])
+            reasoning = None
+        n = len(gen)
+        return Generation(prompt_ids, None if "null_ids" in faults else gen, reasoning, content, finish, n)
+
+    async def generate_async(self, messages: list[dict[str, str]], thinking: bool, max_tokens: int) -> Generation:
+        if self.lm is None:
+            return self.generate(messages, thinking, max_tokens)
+        # Model-backed generation is slow and blocking: off the event loop, one at a time, cached per prompt.
+        key = (json.dumps(messages), thinking, max_tokens)
+        if key not in self._gen_cache:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=1)
+            loop = asyncio.get_running_loop()
+            self._gen_cache[key] = await loop.run_in_executor(
+                self._executor, self.generate, messages, thinking, max_tokens
+            )
+        return self._gen_cache[key]
+
+    def _parse(self, gen: list[int], thinking: bool) -> tuple[str | None, str | None]:
+        """What vLLM's reasoning parser returns: text before `</think>` is reasoning; no close marker means the
+        whole output is reasoning. Special tokens are skipped in text, as with skip_special_tokens=True."""
+        ids = self.ids
+        specials = {ids.open_id, ids.close_id, ids.end_id}
+
+        def text(part: list[int]) -> str:
+            return self.tok.decode([t for t in part if t not in specials])
+
+        if not thinking:
+            return None, text(gen)
+        if ids.close_id in gen:
+            cut = gen.index(ids.close_id)
+            return text(gen[:cut]), text(gen[cut + 1 :])
+        return text(gen), None
+
+    # --- latency ---
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of `max_num_seqs` running slots (waiting, and counted as waiting, while none is free)."""
+        self.waiting += 1
+        async with self.slots:
+            self.waiting -= 1
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+            try:
+                yield
+            finally:
+                self.running -= 1
+
+    def duration_s(self, gen: Generation) -> float:
+        return self.cfg.ttft_s + max(gen.n_tokens - 1, 0) * self.cfg.itl_s
+
+    def count(self, gen: Generation) -> None:
+        self.counters["success"] += 1
+        self.counters["prompt_tokens"] += len(gen.prompt_ids)
+        self.counters["generation_tokens"] += gen.n_tokens
+
+
+class _GreedyLM:
+    """Greedy continuation with a local transformers model, never emitting the template's special tokens."""
+
+    def __init__(self, path: str, ids: ResolvedProfile):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        torch.set_num_threads(1)  # the simulator shares the machine with the workers it serves
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.suppress = sorted({ids.open_id, ids.close_id, ids.end_id, 0})
+
+    def continue_(self, prefix: list[int], n: int) -> list[int]:
+        torch = self.torch
+        out: list[int] = []
+        with torch.inference_mode():
+            res = self.model(torch.tensor([prefix]), use_cache=True)
+            for _ in range(n):
+                logits = res.logits[0, -1]
+                logits[self.suppress] = float("-inf")
+                nxt = int(logits.argmax())
+                out.append(nxt)
+                res = self.model(torch.tensor([[nxt]]), cache=res.past_key_values, use_cache=True)
+        return out

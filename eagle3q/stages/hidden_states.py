@@ -1,0 +1,100 @@
+"""One hidden-state task: extract for the task's sample and, in the same forward passes, for other accepted
+samples of similar length that are waiting (up to the token budget). Every sample still has its own queue message:
+a batched one's message later finds the file and does nothing, so batching never loses or duplicates work."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from eagle3q.contract import HIDDEN_STATES, SampleRef
+from eagle3q.control.ledger import Ledger
+from eagle3q.eagle3.extract import TransformersExtractor, check_tensors, file_is_valid, plan_batches, write_hidden
+from eagle3q.metrics import METRICS
+from eagle3q.store import Rejection, Sample, Store
+
+log = logging.getLogger("eagle3q.stages.hidden_states")
+STAGE = HIDDEN_STATES.name
+
+
+@dataclass
+class HiddenContext:
+    store: Store
+    ledger: Ledger
+    extractor: TransformersExtractor
+    token_budget: int
+    fire_train: Callable[[str], None]
+
+
+def _reject(ctx: HiddenContext, run: str, sid: str, reason: str, detail: str) -> None:
+    ctx.store.write_rejection(Rejection(sample_id=sid, run=run, stage=STAGE, reason=reason, detail=detail))
+    if ctx.ledger.mark_rejected(run, STAGE, sid, reason):
+        METRICS.rejected(STAGE, reason)
+    log.warning("hidden states of %s/%s rejected: %s (%s)", run, sid, reason, detail)
+
+
+def _meta(ctx: HiddenContext, sample: Sample) -> dict:
+    ex = ctx.extractor
+    return {"sample_id": sample.sample_id, "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers,
+            "hidden_size": ex.hidden_size, "final_state": "post_norm", "backend": ex.backend}
+
+
+def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
+    run = ref.run
+    if ctx.ledger.is_terminal(run, STAGE, ref.sample_id):
+        return "duplicate"
+    if not ctx.store.has_sample(run, ref.sample_id):
+        _reject(ctx, run, ref.sample_id, "sample_missing", "no accepted sample file in the store")
+        _after(ctx, run)
+        return "rejected:sample_missing"
+    anchor = ctx.store.read_sample(run, ref.sample_id)
+    path = ctx.store.hidden_path(run, ref.sample_id)
+    if file_is_valid(path, len(anchor.input_ids)):  # written before a crash, not yet marked
+        ctx.ledger.mark_done(run, STAGE, ref.sample_id, tokens=len(anchor.input_ids), bytes=path.stat().st_size)
+        _after(ctx, run)
+        return "duplicate"
+
+    ids = ctx.ledger.claim_hs_batch(run, ref.sample_id, len(anchor.input_ids), ctx.token_budget)
+    samples = [anchor]
+    for sid in ids[1:]:
+        if not ctx.ledger.is_terminal(run, STAGE, sid) and ctx.store.has_sample(run, sid):
+            samples.append(ctx.store.read_sample(run, sid))
+
+    outcome = "accepted"
+    for group in plan_batches([len(s.input_ids) for s in samples], ctx.token_budget):
+        batch = [samples[i] for i in group]
+        too_long = [s for s in batch if len(s.input_ids) > ctx.extractor.max_positions]
+        for s in too_long:
+            _reject(ctx, run, s.sample_id, "hs_too_long", f"{len(s.input_ids)} tokens > {ctx.extractor.max_positions}")
+        batch = [s for s in batch if s not in too_long]
+        if not batch:
+            continue
+        t0 = time.monotonic()
+        results = ctx.extractor.extract([s.input_ids for s in batch])
+        log.info("extracted %d samples (%d tokens) in %.2fs", len(batch), sum(len(s.input_ids) for s in batch),
+                 time.monotonic() - t0)
+        for s, ex in zip(batch, results, strict=True):
+            reason = check_tensors(s.input_ids, ex, ctx.extractor.hidden_size)
+            if reason is None:
+                try:
+                    n = write_hidden(ctx.store.hidden_path(run, s.sample_id), s.input_ids, s.loss_mask, ex,
+                                     _meta(ctx, s))
+                except OverflowError:
+                    reason = "hs_nonfinite"
+            if reason is not None:
+                _reject(ctx, run, s.sample_id, reason, f"{len(s.input_ids)} tokens")
+                if s.sample_id == ref.sample_id:
+                    outcome = f"rejected:{reason}"
+                continue
+            if ctx.ledger.mark_done(run, STAGE, s.sample_id, tokens=len(s.input_ids), bytes=n):
+                METRICS.hidden_written()
+    _after(ctx, run)
+    return outcome
+
+
+def _after(ctx: HiddenContext, run: str) -> None:
+    if ctx.ledger.maybe_fire_train(run):
+        log.info("run %s reached its training target: training triggered", run)
+        ctx.fire_train(run)

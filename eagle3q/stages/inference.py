@@ -1,0 +1,181 @@
+"""One inference task, start to end: generate, validate, store, count. Idempotent under redelivery.
+
+Order matters for "nothing lost": the sample file is written first, then the sample is handed to the next stage,
+then the ledger marks it done. A crash between any two steps is repaired by the redelivered task, which finds the
+file, hands it on again (harmless: the next stage is idempotent too) and marks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from eagle3q.config import Settings
+from eagle3q.contract import INFERENCE, InferenceTask
+from eagle3q.control.inflight import InflightLimiter
+from eagle3q.control.ledger import Ledger
+from eagle3q.generate.endpoints import EndpointPool
+from eagle3q.generate.profiles import ResolvedProfile, get_profile, resolve
+from eagle3q.generate.tokenizer import TokenizerLike, load_tokenizer
+from eagle3q.generate.validation import validate
+from eagle3q.generate.vllm_client import ChatRequest, PermanentError, TransientError, VLLMClient
+from eagle3q.metrics import METRICS
+from eagle3q.periodic import Periodic
+from eagle3q.store import Rejection, Sample, Store
+
+log = logging.getLogger("eagle3q.inference")
+STAGE = INFERENCE.name
+
+
+@dataclass
+class InferenceContext:
+    settings: Settings
+    store: Store
+    ledger: Ledger
+    client: VLLMClient
+    tokenizer: TokenizerLike
+    profiles: dict[str, ResolvedProfile]
+    endpoints: EndpointPool
+    forward: Callable[[str, str], None]  # (run, sample_id) -> hand the accepted sample to the hidden-state stage
+    inflight: InflightLimiter | None = None  # the shared in-flight budget, when enabled
+    prober: Periodic | None = None  # polls the endpoints' health and load (several endpoints, or adaptive budget)
+
+    def probe_once(self) -> None:
+        self.endpoints.probe(self.client.http)
+        if self.inflight is not None:
+            self.inflight.observe([e.waiting for e in self.endpoints.endpoints])
+
+    def close(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
+
+    def profile(self, name: str) -> ResolvedProfile:
+        if name not in self.profiles:
+            self.profiles[name] = resolve(get_profile(name), self.tokenizer.token_to_id, self.tokenizer.vocab_size)
+        return self.profiles[name]
+
+
+def build_context(settings: Settings, forward: Callable[[str, str], None], concurrency: int) -> InferenceContext:
+    tok = load_tokenizer(settings.tokenizer)
+    rp = resolve(get_profile(settings.profile), tok.token_to_id, tok.vocab_size)  # fail at start-up, not per task
+    api_key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+    ledger = Ledger.from_url(settings.broker_url())
+    ctx = InferenceContext(
+        settings=settings,
+        store=Store(settings.store_dir),
+        ledger=ledger,
+        client=VLLMClient(api_key, settings.request_timeout_s, max_connections=max(concurrency, 4)),
+        tokenizer=tok,
+        profiles={rp.profile.name: rp},
+        endpoints=EndpointPool(settings.vllm_base_urls),
+        forward=forward,
+    )
+    if settings.inflight_mode != "off":
+        ctx.inflight = InflightLimiter.from_settings(ledger, settings)
+    if len(settings.vllm_base_urls) > 1 or settings.inflight_mode == "adaptive":
+        ctx.prober = Periodic("eagle3q-endpoint-probe", settings.inflight_period_s, ctx.probe_once,
+                              first_at_start=True).start()
+    return ctx
+
+
+def _accept(ctx: InferenceContext, task: InferenceTask, sample: Sample, nbytes: int | None = None) -> None:
+    if nbytes is None:
+        nbytes = ctx.store.write_sample(sample)
+    ctx.ledger.add_hs_pending(task.run, task.sample_id, len(sample.input_ids))
+    ctx.forward(task.run, task.sample_id)
+    gen = len(sample.input_ids) - sample.num_prompt_tokens
+    if ctx.ledger.mark_done(
+        task.run, STAGE, task.sample_id,
+        prompt_tokens=sample.num_prompt_tokens, completion_tokens=gen, bytes=nbytes,
+        truncated_kept=int(sample.truncated),
+    ):
+        METRICS.accepted(gen)
+
+
+def _reject(ctx: InferenceContext, task: InferenceTask, reason: str, detail: str, raw: dict | None) -> None:
+    ctx.store.write_rejection(
+        Rejection(sample_id=task.sample_id, run=task.run, stage=STAGE, reason=reason, detail=detail, raw=raw)
+    )
+    if ctx.ledger.mark_rejected(task.run, STAGE, task.sample_id, reason):
+        METRICS.rejected(STAGE, reason)
+    log.info("rejected %s/%s: %s (%s)", task.run, task.sample_id, reason, detail)
+
+
+def reject_exhausted(ctx: InferenceContext, task: InferenceTask, err: TransientError) -> None:
+    """The retry budget is spent on a transient error: a named rejection, never a silent drop."""
+    _reject(ctx, task, f"retries_exhausted_{err.kind}", err.detail, None)
+
+
+def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
+    """Returns "accepted", "rejected:<reason>" or "duplicate". Raises TransientError (retry) or StoreError (retry)."""
+    if ctx.ledger.is_terminal(task.run, STAGE, task.sample_id):
+        return "duplicate"
+    if ctx.store.has_sample(task.run, task.sample_id):  # written, but the mark was lost with a crash
+        path = ctx.store.sample_path(task.run, task.sample_id)
+        _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=path.stat().st_size)
+        return "duplicate"
+
+    s = task.sampling
+    rp = ctx.profile(task.profile)
+    req = ChatRequest(
+        model=task.model,
+        messages=[m.model_dump() for m in task.messages],
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        chat_template_kwargs=rp.profile.chat_template_kwargs(task.thinking),
+    )
+    url = ctx.endpoints.acquire()
+    slot = ctx.inflight.acquire() if ctx.inflight is not None else None
+    t0 = time.monotonic()
+    ok, connect_failed = False, False
+    METRICS.in_flight(+1)
+    try:
+        raw = ctx.client.chat(url, req)
+        ok = True
+    except TransientError as e:
+        connect_failed = e.kind in {"connect", "dropped"}
+        if ctx.inflight is not None:
+            ctx.inflight.on_overload(e.kind)
+        raise
+    except PermanentError as e:
+        _reject(ctx, task, e.reason, e.detail, e.raw)
+        return f"rejected:{e.reason}"
+    finally:
+        METRICS.in_flight(-1)
+        latency = time.monotonic() - t0
+        ctx.endpoints.release(url, ok, connect_failed)
+        if slot is not None:
+            ctx.inflight.release(slot)
+
+    v = validate(raw, rp, ctx.tokenizer, task.thinking, ctx.settings.truncation_policy)
+    if not v.ok:
+        _reject(ctx, task, v.reason, v.detail, raw)
+        return f"rejected:{v.reason}"
+    assert v.prompt_ids is not None and v.gen_ids is not None
+    sample = Sample(
+        sample_id=task.sample_id,
+        run=task.run,
+        dataset=task.dataset,
+        row=task.row,
+        turn=task.turn,
+        model=task.model,
+        profile=task.profile,
+        thinking=task.thinking,
+        sampling=task.sampling,
+        messages=task.messages,
+        # The exact stream the model saw and produced; never rebuilt through the chat template.
+        input_ids=v.prompt_ids + v.gen_ids,
+        loss_mask=[0] * len(v.prompt_ids) + [1] * len(v.gen_ids),
+        num_prompt_tokens=len(v.prompt_ids),
+        reasoning=v.reasoning,
+        content=v.content,
+        finish_reason=v.finish_reason,
+        truncated=v.truncated,
+        endpoint=url,
+        latency_s=round(latency, 4),
+    )
+    _accept(ctx, task, sample)
+    return "accepted"

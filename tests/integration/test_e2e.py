@@ -1,0 +1,42 @@
+"""All three stages as real worker processes: inference -> hidden states -> one training run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from eagle3q.dev.tiny import SAMPLE_DATASET
+from eagle3q.eagle3.extract import file_is_valid
+
+
+def test_pipeline_to_trained_draft(stack_factory):  # noqa: ANN001
+    stack = stack_factory(env={"EAGLE3Q_EPOCHS": "1", "EAGLE3Q_LR": "3e-3", "EAGLE3Q_TOKEN_BUDGET": "2048"})
+    stack.worker("inference", concurrency=8)
+    stack.worker("hidden_states")
+    stack.worker("hidden_states")  # two GPU workers finishing at once
+    stack.worker("train")
+    rep = stack.enqueue(SAMPLE_DATASET, "e2e", max_samples=40, train_target=30)
+    assert rep.enqueued == 40
+    stack.wait_settled("e2e", stages=("inference", "hidden_states"), timeout_s=240)
+
+    L = stack.ledger
+    done = L.done_ids("e2e", "hidden_states")
+    assert len(done) == 40
+    for sid in done:
+        s = stack.store.read_sample("e2e", sid)
+        assert file_is_valid(stack.store.hidden_path("e2e", sid), len(s.input_ids))
+    hs = L.counts("e2e", "hidden_states")
+    assert hs.stats["bytes"] == sum(stack.store.hidden_path("e2e", sid).stat().st_size for sid in done)
+    assert hs.stats["tokens"] == sum(len(stack.store.read_sample("e2e", sid).input_ids) for sid in done)
+
+    deadline = time.monotonic() + 180
+    while L.train_progress("e2e").get("state") != "done" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert L.train_progress("e2e").get("state") == "done"
+    result = json.loads((stack.store.train_dir("e2e") / "result.json").read_text())
+    # the trigger fired at 30 of 40, once; the trainer saw what was there when it started
+    assert 30 <= result["steps"] <= 40
+    trainer_log = next(w for w in stack.workers if w.name.startswith("train")).log.read_text()
+    assert trainer_log.count("eagle3q.train.train[") >= 1
+    assert trainer_log.count("succeeded") == 1
+    assert (stack.store.train_dir("e2e") / "export" / "model.safetensors").is_file()

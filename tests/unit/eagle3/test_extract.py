@@ -1,0 +1,120 @@
+"""Hidden-state extraction on the tiny local Llama: layer conventions, batching, validation, the file format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3q.eagle3.extract import (
+    TransformersExtractor,
+    check_aux_ids,
+    check_tensors,
+    default_aux_ids,
+    file_is_valid,
+    from_layer_indices,
+    load_hidden,
+    plan_batches,
+    write_hidden,
+)
+
+
+@pytest.fixture(scope="module")
+def extractor(tiny):  # noqa: ANN001, ANN201
+    return TransformersExtractor(str(tiny), None, "cpu", "float32")
+
+
+def test_layer_id_conventions():
+    assert default_aux_ids(61) == [2, 30, 58]  # Kimi-K2.5
+    assert from_layer_indices([1, 29, 57]) == [2, 30, 58]  # SpecForge's "output of layer i" -> vLLM ids
+    with pytest.raises(ValueError):
+        check_aux_ids([2, 4, 9], 8)
+    with pytest.raises(ValueError):
+        check_aux_ids([2, 4], 8)
+
+
+def test_aux_ids_are_vllm_ids(extractor):  # noqa: ANN001
+    """id k = output of decoder layer k-1, checked with forward hooks on the real layers."""
+    ids = list(range(5, 25))
+    outputs = {}
+    layers = extractor.decoder.layers
+    hooks = [layer.register_forward_hook(lambda m, i, o, n=n: outputs.__setitem__(n, o[0] if isinstance(o, tuple)
+                                                                                    else o))
+             for n, layer in enumerate(layers)]
+    try:
+        ex = extractor.extract([ids])[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    h = extractor.hidden_size
+    assert extractor.aux_ids == [2, 4, 5]
+    for slot, layer_id in enumerate(extractor.aux_ids):
+        torch.testing.assert_close(ex.aux[:, slot * h:(slot + 1) * h], outputs[layer_id - 1][0].float())
+
+
+def test_batched_equals_alone(extractor):  # noqa: ANN001
+    seqs = [list(range(10, 10 + n)) for n in (7, 31, 18, 31, 3)]
+    alone = [extractor.extract([s])[0] for s in seqs]
+    together = extractor.extract(seqs)
+    for a, b, s in zip(alone, together, seqs, strict=True):
+        assert a.aux.shape == b.aux.shape == (len(s), 3 * extractor.hidden_size)  # no padding kept
+        torch.testing.assert_close(a.aux.bfloat16(), b.aux.bfloat16(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(a.final.bfloat16(), b.final.bfloat16(), atol=2e-2, rtol=2e-2)
+
+
+def test_plan_batches_respects_budget():
+    lengths = [10, 500, 30, 30, 2000, 12, 29]
+    batches = plan_batches(lengths, budget=1000)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert longest * len(b) <= 1000 or len(b) == 1
+    assert [4] in batches  # longer than the budget: alone
+
+
+def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
+    ids = list(range(40, 60))
+    ex = extractor.extract([ids])[0]
+    assert check_tensors(ids, ex, extractor.hidden_size) is None
+    path = tmp_path / "s.safetensors"
+    n = write_hidden(path, ids, [0] * 5 + [1] * 15, ex, {"aux_layer_ids": [2, 4, 5], "final_state": "post_norm"})
+    assert n == path.stat().st_size and file_is_valid(path, 20) and not file_is_valid(path, 21)
+    t = load_hidden(path)
+    assert t["aux_hidden_states"].dtype == t["hidden_state"].dtype == torch.bfloat16
+    assert t["input_ids"].tolist() == ids and t["loss_mask"].sum() == 15
+    assert t["aux_hidden_states"].shape == (20, 3 * extractor.hidden_size)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        assert json.loads(f.metadata()["aux_layer_ids"]) == [2, 4, 5]
+
+    bad = type(ex)(ex.aux.clone(), ex.final.clone())
+    bad.aux[3, 0] = float("nan")
+    assert check_tensors(ids, bad, extractor.hidden_size) == "hs_nonfinite"
+    assert check_tensors(ids[:-1], ex, extractor.hidden_size) == "hs_length_mismatch"
+    huge = type(ex)(ex.aux * 1e39, ex.final)  # finite in float32? no: inf after scaling -> refused either way
+    with pytest.raises(OverflowError):
+        write_hidden(tmp_path / "x.safetensors", ids, [1] * 20, huge, {})
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypatch):  # noqa: ANN001
+    from eagle3q.config import Settings
+    from eagle3q.eagle3.estimate import bytes_per_token, estimate_for_run
+
+    assert bytes_per_token(7168) == 2 * 7168 * 4 + 9  # Kimi-K2.5: ~57 KB per token
+    local = estimate_for_run(Settings(target_model=str(tiny), max_tokens=1024), 100, tokens_per_sample=1000)
+    assert local and "H=64" in local and f"{100 * 1000 * bytes_per_token(64) / 1e9:.2f} GB" in local
+    # A hub id whose config is in the local Hugging Face cache (Kimi-K2.5 nests it under text_config).
+    snap = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"text_config": {"hidden_size": 7168}}')
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    est = estimate_for_run(Settings(target_model="moonshotai/Kimi-K2.5"), 10_000, tokens_per_sample=2000)
+    total = 10_000 * 2000 * bytes_per_token(7168)
+    assert 1.1e12 < total < 1.2e12  # the ~1.1 TB of DESIGN.md
+    assert est and "H=7168" in est and f"{total / 1e9:.2f} GB" in est
+    assert estimate_for_run(Settings(target_model="nobody/unknown-model"), 10, tokens_per_sample=10) is None

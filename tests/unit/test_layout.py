@@ -1,0 +1,58 @@
+"""The house rules of the layout (ARCHITECTURE.md), checked on the source: the Redis keyspace has one owner, the
+library never imports its consumers, and the pipeline's shape is read from the contract by everyone."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from eagle3q.celery.app import make_app
+from eagle3q.config import Settings
+from eagle3q.contract import PIPELINE, QUEUES, ROLES, ROUTES, SAMPLE_STAGES
+
+PKG = Path(__file__).resolve().parents[2] / "eagle3q"
+
+
+def _modules(exclude: str | None = None) -> list[Path]:
+    return [p for p in PKG.rglob("*.py") if not (exclude and p.relative_to(PKG).parts[0] == exclude)]
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_only_the_control_plane_builds_keys_or_touches_the_ledgers_client():
+    offenders = []
+    for path in _modules(exclude="control"):
+        text = path.read_text()
+        imports = _imports(path)
+        if '"e3q:' in text or "'e3q:" in text or "eagle3q.control.keys" in imports:
+            offenders.append(f"{path.name}: builds a key")
+        if ".client" in text and "ledger" in text.lower() and "ledger.client" in text:
+            offenders.append(f"{path.name}: uses the ledger's client")
+        if "register_script" in text:
+            offenders.append(f"{path.name}: runs its own Lua on Redis")
+    assert not offenders, offenders
+
+
+def test_the_library_never_imports_its_consumers_and_reconcile_has_no_celery():
+    for path in _modules():
+        assert not any(m == "workers" or m.startswith("workers.") for m in _imports(path)), path
+    for path in (PKG / "control").glob("*.py"):
+        assert not any(m == "celery" or m.startswith("celery.") for m in _imports(path)), path
+
+
+def test_the_worker_app_serves_every_stage_of_the_contract():
+    app = make_app(Settings(), worker=True)
+    assert {s.task for s in PIPELINE} <= set(app.tasks)
+    assert {q.name for q in app.conf.task_queues} == set(QUEUES)  # declared: Flower knows them before a worker
+    assert app.conf.task_routes == ROUTES and {r.queue for r in ROLES.values()} == set(QUEUES)
+    assert tuple(s.name for s in PIPELINE if s.per_sample) == SAMPLE_STAGES
+    assert make_app(Settings()).tasks.keys().isdisjoint({s.task for s in PIPELINE})  # a producer's app only sends
