@@ -25,6 +25,7 @@ def main() -> dict:
         sampling = sampling_of(s)
         tasks = [task_for(p, "direct", data.name, s, sampling) for p in iter_prompts(data) if isinstance(p, Prompt)]
         ctx = build_context(s, forward=lambda run, sid: None, concurrency=1)
+        st.ledger.open_tasks("direct", {t.sample_id: t.model_dump_json() for t in tasks})  # as the producer does
         t0 = time.monotonic()
         for t in tasks:
             run_inference(t, ctx)

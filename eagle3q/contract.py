@@ -39,13 +39,13 @@ def _check_id(v: str) -> str:
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "7" is not a row, "yes" not a bool
     role: Literal["system", "user", "assistant"]
     content: str
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "7" is not a row, "yes" not a bool
     temperature: float = Field(ge=0.0, le=5.0)
     top_p: float = Field(gt=0.0, le=1.0)
     max_tokens: int = Field(gt=0, le=1_000_000)
@@ -54,7 +54,7 @@ class Sampling(BaseModel):
 class InferenceTask(BaseModel):
     """One prompt to generate one assistant turn for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "7" is not a row, "yes" not a bool
     run: str
     sample_id: str
     dataset: str
@@ -73,7 +73,7 @@ class InferenceTask(BaseModel):
 class SampleRef(BaseModel):
     """A sample that an earlier stage accepted (hidden states are extracted for it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "7" is not a row, "yes" not a bool
     run: str
     sample_id: str
 
@@ -82,7 +82,7 @@ class SampleRef(BaseModel):
 
 
 class RunRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "7" is not a row, "yes" not a bool
     run: str
 
     _run = field_validator("run")(classmethod(lambda cls, v: check_run_name(v)))

@@ -123,6 +123,7 @@ def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, datase
         if isinstance(item, Prompt):
             task = task_for(item, run, dataset, settings, sampling)
             if task.sample_id in pending:
+                ledger.open_tasks(run, {task.sample_id: task.model_dump_json()})  # registered again, then sent
                 send_generate(app, task)
                 pending.discard(task.sample_id)
                 n += 1

@@ -167,6 +167,9 @@ def train(self: Task, payload: dict) -> str:
 
     s = get_settings()
     ledger = Ledger.from_url(s.broker_url())
+    if not ledger.train_fired(ref.run):  # only the ledger's trigger sends this task
+        log.error("refused a training task for run %s: its training was never triggered", ref.run)
+        return "refused: not triggered"
     try:
         result = train_run(ref.run, s, Store(s.store_dir), ledger)
     except TrainingBusy as e:

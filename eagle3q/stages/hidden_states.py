@@ -46,6 +46,10 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
     if ctx.ledger.is_terminal(run, STAGE, ref.sample_id):
         return "duplicate"
     if not ctx.store.has_sample(run, ref.sample_id):
+        if not ctx.ledger.is_open(run, STAGE, ref.sample_id):
+            # No accepted sample and never handed to this stage: forged. Nothing is counted or written.
+            log.error("refused %s/%s: no accepted sample of that id", run, ref.sample_id)
+            return "refused: not registered"
         _reject(ctx, run, ref.sample_id, "sample_missing", "no accepted sample file in the store")
         _after(ctx, run)
         return "rejected:sample_missing"

@@ -109,9 +109,16 @@ def reject_exhausted(ctx: InferenceContext, task: InferenceTask, err: TransientE
 
 
 def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
-    """Returns "accepted", "rejected:<reason>" or "duplicate". Raises TransientError (retry) or StoreError (retry)."""
+    """Returns "accepted", "rejected:<reason>", "duplicate" or "refused:...". Raises TransientError (retry) or
+    StoreError (retry)."""
     if ctx.ledger.is_terminal(task.run, STAGE, task.sample_id):
         return "duplicate"
+    if ctx.ledger.open_payload(task.run, STAGE, task.sample_id) != task.model_dump_json():
+        # Not what the producer registered (it records every payload before sending): a forged or altered task is
+        # refused by name and touches no count, no store and no server.
+        log.error("refused %s/%s: not registered by the producer (unknown id or altered payload)", task.run,
+                  task.sample_id)
+        return "refused: not registered"
     if ctx.store.has_sample(task.run, task.sample_id):  # written, but the mark was lost with a crash
         path = ctx.store.sample_path(task.run, task.sample_id)
         _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=path.stat().st_size)

@@ -8,7 +8,7 @@ import time
 
 from eagle3q.celery.app import make_app
 from eagle3q.config import Settings
-from eagle3q.contract import HIDDEN_STATES, INFERENCE, TRAIN
+from eagle3q.contract import HIDDEN_STATES, INFERENCE, TRAIN, InferenceTask
 from eagle3q.dev.local import child_env
 from eagle3q.dev.tiny import SAMPLE_DATASET
 
@@ -44,6 +44,10 @@ def test_pickle_and_forged_messages_are_refused(stack_factory):  # noqa: ANN001
         {**good, "extra": "field"},  # unknown fields are refused, not ignored
         {**good, "messages": []},
         {**good, "sampling": {"temperature": 0.6, "top_p": 0.95, "max_tokens": -5}},
+        {**good, "row": "7"},  # strict: no coercion of wrong types
+        {**good, "thinking": "yes"},
+        {**good, "turn": True},
+        {**good, "sampling": {**good["sampling"], "max_tokens": "64"}},
         "just a string",
     ]
     for f in forged:
@@ -51,13 +55,36 @@ def test_pickle_and_forged_messages_are_refused(stack_factory):  # noqa: ANN001
     stack.app.send_task(TASK_EXTRACT, args=[{"run": "sec", "sample_id": "../../x"}])
     stack.app.send_task(TASK_TRAIN, args=[{"run": "a b"}])
     deadline = time.monotonic() + 30
-    while w.log.read_text().count("refused a") < 6 and time.monotonic() < deadline:
+    while w.log.read_text().count("refused a") < 10 and time.monotonic() < deadline:
         time.sleep(0.2)
     log = w.log.read_text()
     assert "Refusing to deserialize untrusted content of type pickle" in log
-    assert log.count("refused a InferenceTask message") == 6
+    assert log.count("refused a InferenceTask message") == 10
     assert not stack.store.root.exists() or not any(stack.store.root.rglob("*.json"))
     assert not stack.broker.keys("e3q:sec:*") and not stack.broker.keys("e3q:../*")
+
+    # Schema-valid but never registered by the producer: an invented id, an altered payload, a GPU-stage ref to a
+    # sample that does not exist, a training task for a run that never fired. Refused, nothing counted or stored.
+    invented = {**good, "sample_id": "f" * 32}
+    stack.ledger.open_tasks("sec", {good["sample_id"]: InferenceTask.model_validate(good).model_dump_json()})
+    altered = {**good, "sampling": {**good["sampling"], "max_tokens": 1_000_000}}
+    hs = stack.worker("hidden_states")
+    tr = stack.worker("train")
+    for f in (invented, altered):
+        stack.app.send_task(TASK_GENERATE, args=[f])
+    stack.app.send_task(TASK_EXTRACT, args=[{"run": "forged", "sample_id": "e" * 32}])
+    stack.app.send_task(TASK_TRAIN, args=[{"run": "forged"}])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (w.log.read_text().count("not registered") < 2
+                                           or "refused forged/" not in hs.log.read_text()
+                                           or "never triggered" not in tr.log.read_text()):
+        time.sleep(0.2)
+    assert w.log.read_text().count("not registered by the producer") == 2
+    assert "refused forged/" in hs.log.read_text() and "never triggered" in tr.log.read_text()
+    assert not stack.ledger.run_exists("forged") and not stack.broker.keys("e3q:forged:*")
+    assert stack.ledger.enqueued_ids("sec") == set() and stack.ledger.counts("sec", "inference").done == 0
+    assert not stack.store.root.exists() or not any(stack.store.root.rglob("*.json"))
+
     # the worker is fine and does real work afterwards
     stack.app.send_task(TASK_GENERATE, args=[good])
     deadline = time.monotonic() + 30
