@@ -37,7 +37,8 @@ def snapshot(ledger: Ledger, run: str) -> dict:
     stages = {s: ledger.counts(run, s) for s in STAGES}
     meta = ledger.meta(run)
     out: dict = {"run": run, "meta": meta, "stages": {}, "train": ledger.train_progress(run),
-                 "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0)}
+                 "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0),
+                 "dead_letters": ledger.dead_letters()}
     for name, c in stages.items():
         gen_tokens = c.stats.get("completion_tokens", 0)
         tokens = c.stats.get("tokens", 0)
@@ -86,6 +87,10 @@ def render(snap: dict) -> Group:
     extra = []
     if snap["bad_rows"]:
         extra.append(f"bad data-set rows (not enqueued): {snap['bad_rows']} (see `eagle3q bad-rows`)")
+    if snap.get("dead_letters"):
+        extra.append("[red]items on the queues that were not messages, set aside: "
+                     + ", ".join(f"{q}={n}" for q, n in sorted(snap["dead_letters"].items()))
+                     + " (e3q:dead:<queue>)[/red]")
     retries = snap["stages"][INFERENCE.name]["retries"]
     if retries:
         extra.append("transient errors retried: " + ", ".join(f"{k}={v}" for k, v in sorted(retries.items())))

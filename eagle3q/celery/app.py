@@ -21,6 +21,9 @@ WORKER_APP = "workers"  # the `-A` target: the top-level package `workers` holds
 def celery_config(s: Settings) -> dict:
     return {
         "broker_url": s.broker_url(),
+        # kombu's Redis transport, except that an item that is not a message is set aside instead of killing the
+        # consumer (eagle3q.celery.transport).
+        "broker_transport": "eagle3q.celery.transport:Transport",
         "result_backend": None,
         "task_ignore_result": True,
         # JSON only: a pickle message is refused by every worker.

@@ -18,6 +18,12 @@ def _k(*parts: str) -> str:
 RUNS = _k("runs")  # set of run names
 RECONCILE_LOCK = _k("reconcile", "lock")  # string with a PX lease: one lost-message sweep at a time
 RECONCILE_SEEN = _k("reconcile", "seen")  # hash "stage|run|id" -> when the sweep first saw it stranded
+DEAD_LETTER_COUNTS = _k("dead", "counts")  # hash queue -> items set aside (not messages)
+
+
+def dead_letters(queue: str) -> str:
+    """list of JSON {queue, why, at, raw}: items found on `queue` that are not messages (newest first, capped)"""
+    return _k("dead", queue)
 
 
 def meta(run: str) -> str:

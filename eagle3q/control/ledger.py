@@ -108,6 +108,12 @@ class Ledger:
         """For the rest of the control plane (locks, the in-flight budget, the sweep) to share the connection."""
         return self._r
 
+    def dead_letters(self) -> dict[str, int]:
+        """queue -> items set aside because they were not messages (eagle3q.celery.transport)."""
+        from eagle3q.control.dead_letters import counts
+
+        return counts(self._r)
+
     def ping(self) -> bool:
         return bool(self._r.ping())
 
