@@ -30,6 +30,7 @@ def enqueue(
     split: str = typer.Option("train", help="split of an HF DatasetDict directory"),
     resend_pending: bool = typer.Option(False, help="send again tasks of ids enqueued but not finished"),
     train_target: int | None = typer.Option(None, help="samples with hidden states that trigger training"),
+    train_on_drain: bool = typer.Option(False, help="with a target: also train when the run drains short of it"),
     max_prompt_chars: int = typer.Option(200_000, help="rows with longer prompts are reported, not enqueued"),
 ) -> None:
     """Enqueue one inference task per prompt (each assistant turn of each row)."""
@@ -47,7 +48,7 @@ def enqueue(
     s = get_settings()
     try:
         rep = do_enqueue(make_app(s), _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
-                         max_prompt_chars, train_target)
+                         max_prompt_chars, train_target, train_on_drain)
     except DatasetError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

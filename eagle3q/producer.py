@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3q.config import Settings
-from eagle3q.contract import INFERENCE, InferenceTask, Message, Sampling, send_generate
+from eagle3q.contract import INFERENCE, InferenceTask, Message, Sampling, send_generate, send_train
 from eagle3q.control.ledger import Ledger
 from eagle3q.ids import sample_id
 from eagle3q.sources import BadRow, Prompt, iter_prompts
@@ -59,12 +59,14 @@ def enqueue(
     resend_pending: bool = False,
     max_prompt_chars: int = 200_000,
     train_target: int | None = None,
+    train_on_drain: bool = False,
 ) -> EnqueueReport:
     dataset = dataset_name or dataset_path.name
     sampling = sampling_of(settings)
     report = EnqueueReport(run=run)
     ledger.set_meta(run, model=settings.model, profile=settings.profile, dataset=dataset, enqueue_complete=0,
                     train_target=settings.train_target if train_target is None else train_target,
+                    train_on_drain=int(train_on_drain),
                     started=time.time())
     t0 = time.monotonic()
     batch: list[InferenceTask] = []
@@ -107,6 +109,9 @@ def enqueue(
 
     ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})
     ledger.set_meta(run, enqueue_complete=1, bad_rows=len(report.bad_rows))
+    # Every task may have finished before this point (fast workers, a re-run of a drained run): check the trigger.
+    if ledger.maybe_fire_train(run):
+        send_train(app, run)
     report.seconds = time.monotonic() - t0
     return report
 

@@ -93,7 +93,8 @@ def _inference_context(app: Celery):  # noqa: ANN202
     from eagle3q.stages.inference import build_context
 
     s = get_settings()
-    return build_context(s, lambda run, sid: send_extract(app, run, sid), concurrency=s.inflight_max)
+    return build_context(s, lambda run, sid: send_extract(app, run, sid), concurrency=s.inflight_max,
+                         fire_train=lambda run: send_train(app, run))
 
 
 def _hidden_context(app: Celery):  # noqa: ANN202

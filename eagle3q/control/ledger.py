@@ -42,15 +42,17 @@ return 1
 """
 
 # Decide the one training trigger. KEYS: meta_h, fired, enqueued_s, then (done_z, rejected_h) per stage in pipeline
-# order. Ready when the last stage's done count reaches the run's train_target (> 0), or when the producer finished
-# and every stage is settled (what entered it = done + rejected; a stage's incoming is the previous one's done).
+# order. Ready when the last stage's done count reaches the run's train_target (> 0), or when the run drained (the
+# producer finished and every stage is settled: what entered it = done + rejected; a stage's incoming is the previous
+# one's done) and it trains on drain: train_target 0, or train_on_drain set (`enqueue --train-on-drain`).
 _MAYBE_FIRE = """
 local n = (#KEYS - 3) / 2
 local last_done = redis.call('ZCARD', KEYS[3 + 2 * n - 1])
 if last_done == 0 then return 0 end
 local target = tonumber(redis.call('HGET', KEYS[1], 'train_target') or '0')
 local ready = target > 0 and last_done >= target
-if not ready and redis.call('HGET', KEYS[1], 'enqueue_complete') == '1' then
+local on_drain = target == 0 or redis.call('HGET', KEYS[1], 'train_on_drain') == '1'
+if not ready and on_drain and redis.call('HGET', KEYS[1], 'enqueue_complete') == '1' then
   ready = true
   local incoming = redis.call('SCARD', KEYS[3])
   for i = 1, n do

@@ -126,6 +126,14 @@ class Reconciler:
             stages.append(TRAIN.name)
         return expected, stages
 
+    def _fire_drained(self) -> None:
+        """A run whose trigger condition holds but that nobody checked (its last event a mark whose worker died
+        before checking, say) is triggered here."""
+        for run in self.ledger.runs():
+            if not self.ledger.train_fired(run) and self.ledger.maybe_fire_train(run):
+                log.warning("run %s was ready to train but not triggered: training triggered by the sweep", run)
+                self.send(TRAIN.name, run, "", None)
+
     def _train_outstanding(self, run: str) -> bool:
         """Fired, not finished or failed, and no trainer holding the run's lease."""
         if not self.ledger.train_fired(run):
@@ -147,6 +155,7 @@ class Reconciler:
             return None
         now = self.clock() if now is None else now
         report = SweepReport()
+        self._fire_drained()
         expected, stages = self._expected(report)  # the ledger first: an id terminal since then is filtered below
         report.checked = len(expected)
         stranded = {ref for ref in expected - self.held(stages) if self._still_open(ref)} if expected else set()

@@ -39,6 +39,7 @@ class InferenceContext:
     profiles: dict[str, ResolvedProfile]
     endpoints: EndpointPool
     forward: Callable[[str, str], None]  # (run, sample_id) -> hand the accepted sample to the hidden-state stage
+    fire_train: Callable[[str], None] | None = None  # (run) -> send its training task (the trigger decided)
     inflight: InflightLimiter | None = None  # the shared in-flight budget, when enabled
     prober: Periodic | None = None  # polls the endpoints' health and load (several endpoints, or adaptive budget)
 
@@ -57,7 +58,8 @@ class InferenceContext:
         return self.profiles[name]
 
 
-def build_context(settings: Settings, forward: Callable[[str, str], None], concurrency: int) -> InferenceContext:
+def build_context(settings: Settings, forward: Callable[[str, str], None], concurrency: int,
+                  fire_train: Callable[[str], None] | None = None) -> InferenceContext:
     tok = load_tokenizer(settings.tokenizer)
     rp = resolve(get_profile(settings.profile), tok.token_to_id, tok.vocab_size)  # fail at start-up, not per task
     api_key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
@@ -71,6 +73,7 @@ def build_context(settings: Settings, forward: Callable[[str, str], None], concu
         profiles={rp.profile.name: rp},
         endpoints=EndpointPool(settings.vllm_base_urls),
         forward=forward,
+        fire_train=fire_train,
     )
     if settings.inflight_mode != "off":
         ctx.inflight = InflightLimiter.from_settings(ledger, settings)
@@ -100,6 +103,10 @@ def _reject(ctx: InferenceContext, task: InferenceTask, reason: str, detail: str
     )
     if ctx.ledger.mark_rejected(task.run, STAGE, task.sample_id, reason):
         METRICS.rejected(STAGE, reason)
+    # A rejection can be a run's last event: it may be what drains the run.
+    if ctx.fire_train is not None and ctx.ledger.maybe_fire_train(task.run):
+        log.info("run %s drained: training triggered", task.run)
+        ctx.fire_train(task.run)
     log.info("rejected %s/%s: %s (%s)", task.run, task.sample_id, reason, detail)
 
 

@@ -95,6 +95,16 @@ def test_drain_fires_only_when_every_stage_is_settled(ledger: Ledger):
     assert not ledger.maybe_fire_train(run)
 
 
+def test_a_run_with_a_target_fires_on_drain_only_when_asked(ledger: Ledger):
+    for run, on_drain in (("short", 0), ("short_drain", 1)):
+        ledger.set_meta(run, train_target=60, train_on_drain=on_drain, enqueue_complete=1)
+        ledger.add_enqueued(run, IDS[:1])
+        ledger.mark_done(run, "inference", IDS[0])
+        ledger.mark_done(run, "hidden_states", IDS[0])  # drained with 1 of the 60 samples
+    assert not ledger.maybe_fire_train("short")  # the README's rule: draining fires only at target 0 ...
+    assert ledger.maybe_fire_train("short_drain")  # ... or with --train-on-drain
+
+
 def test_nothing_fires_without_a_sample_with_hidden_states(ledger: Ledger):
     run = "empty"
     ledger.set_meta(run, train_target=0, enqueue_complete=1)

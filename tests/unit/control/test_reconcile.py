@@ -89,6 +89,7 @@ def test_a_stranded_id_seen_again_later_starts_a_new_grace(setup):  # noqa: ANN0
 def test_an_open_inference_id_without_its_payload_is_not_sent(setup):  # noqa: ANN001
     ledger, rec, clock, sent, _ = setup
     ledger.open_tasks(RUN, {IDS[5]: ""})
+    ledger.add_enqueued(RUN, [IDS[5]])  # still pending: the run has not drained
     for sid in IDS[:4]:
         ledger.mark_done(RUN, "inference", sid)
         ledger.mark_done(RUN, "hidden_states", sid)
@@ -136,3 +137,15 @@ def test_one_sweep_at_a_time(setup):  # noqa: ANN001
     other = Reconciler(ledger, lambda *ref: None, lock_s=5)
     assert other.sweep() is not None
     assert rec.sweep() is None  # the other worker's sweep holds the lock
+
+
+def test_a_drained_run_nobody_triggered_is_triggered_by_the_sweep(setup):  # noqa: ANN001
+    ledger, rec, clock, sent, _ = setup
+    ledger.mark_done(RUN, "inference", IDS[0])
+    ledger.mark_done(RUN, "hidden_states", IDS[0])
+    for sid in IDS[1:4]:
+        ledger.mark_rejected(RUN, "inference", sid, "truncated")  # the last events: rejections nobody checked after
+    sweep(rec)
+    assert sent == [("train", RUN, "", None)] and ledger.train_fired(RUN)
+    sweep(rec)
+    assert sent == [("train", RUN, "", None)]  # once
