@@ -116,7 +116,7 @@ def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], 
     model, tensors = _target(target_dir)
     if export_dir is not None:
         draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
-        aux_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]  # what vLLM reads
     else:
         from eagle3q.eagle3.model import DraftConfig
 

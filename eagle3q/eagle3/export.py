@@ -21,7 +21,8 @@ MIDLAYER_KEYS = (
 
 
 def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
-    return {
+    aux_ids = sorted(aux_ids)  # vLLM captures in layer order
+    cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
@@ -33,6 +34,7 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
@@ -41,6 +43,9 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
         "torch_dtype": "bfloat16",
         # Set explicitly: vLLM's default differs between versions.
         "norm_before_residual": c.norm_before_residual,
+        # Top level: vLLM (`get_eagle3_aux_layers_from_config`) and the speculators converter read only this key;
+        # without it vLLM silently uses the target's default ids. The nested copy is for readers of eagle_config.
+        "eagle_aux_hidden_state_layer_ids": list(aux_ids),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(aux_ids),
             "use_aux_hidden_state": True,
@@ -49,6 +54,13 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
             "use_mtp_layernorm": False,
         },
     }
+    return cfg
+
+
+def aux_ids_as_vllm_reads(cfg: dict) -> list[int] | None:
+    """The aux layer ids vLLM will use from an exported config: the top-level key only."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else None
 
 
 def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
@@ -59,7 +71,11 @@ def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tenso
     tensors["d2t"] = d2t.to(torch.long).contiguous()
     tensors["t2d"] = t2d.to(torch.bool).contiguous()
     write_atomic(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    write_atomic(out / "config.json", json.dumps(vllm_config(c, aux_ids), indent=2).encode())
+    cfg = vllm_config(c, aux_ids)
+    write_atomic(out / "config.json", json.dumps(cfg, indent=2).encode())
+    read_back = aux_ids_as_vllm_reads(json.loads((out / "config.json").read_text()))
+    if read_back != sorted(aux_ids):
+        raise RuntimeError(f"exported config gives vLLM aux ids {read_back}, trained with {sorted(aux_ids)}")
     return out
 
 
@@ -75,6 +91,7 @@ def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, d
         head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
         rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
         max_position_embeddings=cfg["max_position_embeddings"], norm_before_residual=cfg["norm_before_residual"],
+        rope_scaling=cfg.get("rope_scaling"),
     )
     model = Eagle3Draft(dc, embed_weight)
     weights = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}

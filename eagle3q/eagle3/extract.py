@@ -31,13 +31,17 @@ def from_layer_indices(indices: Sequence[int]) -> list[int]:
 
 
 def check_aux_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """The aux ids sorted ascending: vLLM captures the aux states in layer order, so the columns of fc's input
+    follow the sorted ids whatever order they were given in."""
     ids = list(ids)
     if len(ids) != 3:
         raise ValueError(f"EAGLE-3 uses 3 auxiliary layers, got {ids}")
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
         raise ValueError(f"aux layer ids {bad} outside 0..{num_layers} (vLLM convention, L={num_layers})")
-    return ids
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"aux layer ids {ids} repeat a layer")
+    return sorted(ids)
 
 
 def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:

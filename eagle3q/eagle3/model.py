@@ -35,6 +35,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     norm_before_residual: bool = False
+    rope_scaling: dict | None = None  # the target's, carried into the export for vLLM
 
     @classmethod
     def from_target(cls, cfg: dict, draft_vocab_size: int) -> DraftConfig:
@@ -49,12 +50,28 @@ class DraftConfig:
             vocab_size=int(cfg["vocab_size"]),
             draft_vocab_size=min(draft_vocab_size, int(cfg["vocab_size"])),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta_of(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_scaling=rope_scaling_of(cfg),
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def rope_theta_of(cfg: dict) -> float:
+    """transformers v5 configs carry `rope_parameters` ({"rope_type", "rope_theta", ...}); v4 a top-level
+    `rope_theta` (and `rope_scaling`)."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+
+
+def rope_scaling_of(cfg: dict) -> dict | None:
+    params = cfg.get("rope_parameters")
+    if params and params.get("rope_type", "default") != "default":
+        return {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = cfg.get("rope_scaling")
+    return dict(scaling) if scaling else None
 
 
 class RMSNorm(nn.Module):

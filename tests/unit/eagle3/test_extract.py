@@ -32,6 +32,25 @@ def test_layer_id_conventions():
         check_aux_ids([2, 4, 9], 8)
     with pytest.raises(ValueError):
         check_aux_ids([2, 4], 8)
+    assert check_aux_ids([6, 2, 4], 8) == [2, 4, 6]  # vLLM captures in layer order: fc's columns follow it
+    with pytest.raises(ValueError, match="repeat"):
+        check_aux_ids([2, 2, 4], 8)
+
+
+def test_rope_settings_come_from_the_target_in_both_config_layouts():
+    from eagle3q.eagle3.model import DraftConfig
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1000}
+    v4 = DraftConfig.from_target({**base, "rope_theta": 50000.0,
+                                  "rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, 512)
+    assert v4.rope_theta == 50000.0 and v4.rope_scaling == {"rope_type": "yarn", "factor": 32.0}
+    v5 = DraftConfig.from_target({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0,
+                                                              "factor": 32.0}}, 512)
+    assert v5.rope_theta == 50000.0 and v5.rope_scaling == {"rope_type": "yarn", "factor": 32.0}
+    plain = DraftConfig.from_target({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, 512)
+    assert plain.rope_theta == 5e5 and plain.rope_scaling is None
+    kimi = DraftConfig.from_target({"text_config": {**base, "rope_theta": 50000.0}}, 512)  # multimodal wrapper
+    assert kimi.rope_theta == 50000.0
 
 
 def test_aux_ids_are_vllm_ids(extractor):  # noqa: ANN001

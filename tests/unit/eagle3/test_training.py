@@ -10,7 +10,7 @@ import torch
 from eagle3q.config import Settings
 from eagle3q.contract import Sampling
 from eagle3q.dev.tiny import SAMPLE_DATASET
-from eagle3q.eagle3.export import MIDLAYER_KEYS, REQUIRED_KEYS, load_exported
+from eagle3q.eagle3.export import MIDLAYER_KEYS, REQUIRED_KEYS, aux_ids_as_vllm_reads, load_exported
 from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
 from eagle3q.eagle3.target import load_target_tensors
 from eagle3q.eagle3.vocab import build_mapping, coverage, draft_to_target
@@ -73,7 +73,9 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 512 and cfg["target_hidden_size"] == 64 and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # top level: the only key vLLM reads
+    assert aux_ids_as_vllm_reads(cfg) == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["rope_theta"] == json.loads((tiny / "config.json").read_text()).get("rope_theta", 10000.0)
     assert cfg["norm_before_residual"] is False
     w = load_file(str(export / "model.safetensors"))
     assert set(w) == set(REQUIRED_KEYS) | set(MIDLAYER_KEYS)
