@@ -143,9 +143,8 @@ def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, 
 
 
 def train_draft(files: list[Path], s: Settings, out: Path, target_dir: str, progress: Progress,
-                renew: Callable[[], None] = lambda: None, log_every: int = 10, run: str = "") -> TrainResult:
-    """Vocab mapping, then training (resuming from `out`'s checkpoint), then the export under `out/export`.
-    `renew` is called after every optimizer step (the stage renews its run lock there)."""
+                log_every: int = 10, run: str = "") -> TrainResult:
+    """Vocab mapping, then training (resuming from `out`'s checkpoint), then the export under `out/export`."""
     export_dir = out / "export"
     if not files:
         raise RuntimeError(f"run {run} has no hidden-state files to train on")
@@ -190,7 +189,6 @@ def train_draft(files: list[Path], s: Settings, out: Path, target_dir: str, prog
         opt.step()
         step += 1
         history.append(float(loss.detach()))
-        renew()
         if step % log_every == 0 or step == total:
             log.info("step %d/%d loss %.4f per-step %s acc %s lr %.2e", step, total, history[-1],
                      [round(x, 3) for x in losses], [round(a, 3) for a in accs], lr)

@@ -24,7 +24,7 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
     and no progress is reported."""
     out = store.train_dir(run)
     done_file = out / "result.json"
-    with RunLock(ledger, run, ttl_s=s.train_lock_s) as lock:
+    with RunLock(ledger, run, ttl_s=s.train_lock_s):  # renewed in the background while training
         if done_file.is_file() and (out / "export" / "model.safetensors").is_file():
             r = TrainResult(**json.loads(done_file.read_text()))
             r.skipped = True
@@ -35,7 +35,7 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
                 ledger.set_train_progress(run, **{k: (json.dumps(v) if isinstance(v, list) else v)
                                                   for k, v in kw.items()})
 
-        result = train_draft(store.hidden_files(run), s, out, target_dir or s.target_model, progress, lock.renew,
+        result = train_draft(store.hidden_files(run), s, out, target_dir or s.target_model, progress,
                              log_every, run=run)
         store.write_json(done_file, {k: v for k, v in result.__dict__.items() if k != "skipped"})
         progress(state="done", step=result.steps, total_steps=result.steps, loss=result.final_loss)
