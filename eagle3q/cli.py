@@ -32,12 +32,18 @@ def enqueue(
     train_target: int | None = typer.Option(None, help="samples with hidden states that trigger training"),
     train_on_drain: bool = typer.Option(False, help="with a target: also train when the run drains short of it"),
     max_prompt_chars: int = typer.Option(200_000, help="rows with longer prompts are reported, not enqueued"),
+    max_queued: int | None = typer.Option(None, help="prompts of the run queued at once (default: "
+                                                     "EAGLE3Q_MAX_QUEUED; 0: no cap)"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="stop when the backlog is full instead of waiting to "
+                                                          "top it up (run the same command again to continue)"),
 ) -> None:
-    """Enqueue one inference task per prompt (each assistant turn of each row)."""
+    """Enqueue one inference task per prompt (see the README for how rows become prompts). Keeps at most
+    EAGLE3Q_MAX_QUEUED prompts of the run queued and tops up as they finish."""
     from eagle3q.celery.app import make_app
     from eagle3q.config import get_settings
     from eagle3q.contract import check_run_name
     from eagle3q.eagle3.estimate import estimate_for_run
+    from eagle3q.producer import SettingsError
     from eagle3q.producer import enqueue as do_enqueue
     from eagle3q.sources import DatasetError
 
@@ -46,14 +52,22 @@ def enqueue(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     s = get_settings()
+
+    def waiting(n_open: int, cap: int) -> None:
+        typer.echo(f"  backlog full ({n_open} of {cap} queued): waiting for prompts to finish", err=True)
+
     try:
         rep = do_enqueue(make_app(s), _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
-                         max_prompt_chars, train_target, train_on_drain)
-    except DatasetError as e:
+                         max_prompt_chars, train_target, train_on_drain, max_queued=max_queued, wait=not no_wait,
+                         on_wait=waiting)
+    except (DatasetError, SettingsError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"run {run}: {rep.enqueued} enqueued, {rep.skipped_known} already known, "
                f"{len(rep.bad_rows)} bad rows, {rep.resent_pending} re-sent ({rep.rate:.0f} tasks/s)")
+    if rep.stopped_full:
+        typer.echo("  the backlog is full: stopped before the end of the data set; run the same command again to "
+                   "top it up")
     for b in rep.bad_rows[:20]:
         typer.echo(f"  row {b.row}: {b.reason}")
     if len(rep.bad_rows) > 20:

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = 60.0
     reconcile_scan_limit: int = 20000  # longer queues (a backlog still draining) are not scanned
 
+    # --- producer ---
+    # Prompts of a run between enqueue and their last stage's mark (all stages together) that the producer allows: it
+    # waits, and tops up as they finish. This keeps Redis memory flat in the data set's size (a queued prompt is
+    # ~2.8 KB: its message and its registered payload) and every queue under `reconcile_scan_limit`. 0: no cap.
+    max_queued: int = 5000
+
     # --- store ---
     store_dir: Path = Path("var/store")
 
@@ -64,6 +70,13 @@ class Settings(BaseSettings):
     truncation_policy: Literal["reject", "keep"] = "reject"
     tokenizer: str = ""  # path or hub id of the target's tokenizer; required by the inference consumers
     expose_reasoning_content: bool = False  # simulator only: also send the old `reasoning_content` field
+
+    # Workers refuse to generate more than this for any task, whoever sent it (a registered task over it is rejected
+    # as `over_limit`); the producer refuses to start with a larger `max_tokens`.
+    max_tokens_limit: int = 131072
+    # When set, every task is signed (HMAC-SHA256 over its name and payload) and workers refuse unsigned or badly
+    # signed ones: for a broker that other clients can write to. Producers and workers need the same key.
+    task_signing_key: SecretStr | None = None
 
     # --- retries (transient errors only) ---
     max_retries: int = 6
@@ -95,13 +108,20 @@ class Settings(BaseSettings):
     grad_clip: float = 0.5
     max_len: int = 4096
     checkpoint_every: int = 200
-    # The trainer's run lock: renewed after every step, so a trainer that dies frees its run this long after its
-    # last step (a redelivered training task then takes over from the checkpoint).
+    # The trainer's run lock: renewed in the background while training, so a trainer that dies frees its run this
+    # long after it died (a redelivered training task then takes over from the checkpoint).
     train_lock_s: int = 120
     seed: int = 0
 
     # --- metrics ---
     metrics_port: int = 0  # 0 = no Prometheus exporter in workers
+
+    @field_validator("redis_password", "vllm_api_key", "task_signing_key", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        # compose passes `${VAR:-}` as an empty string: no secret, not an empty one (an empty signing key would
+        # make workers refuse every task)
+        return None if v == "" else v
 
     @field_validator("vllm_base_urls", mode="before")
     @classmethod

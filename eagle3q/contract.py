@@ -10,6 +10,8 @@ on arrival: a forged or malformed payload is refused, never executed. Importable
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -162,10 +164,29 @@ class TaskSender(Protocol):
     def send_task(self, name: str, args: Any = ..., **options: Any) -> Any: ...
 
 
+def signature(key: bytes, task_name: str, payload: Any) -> str:
+    """HMAC-SHA256 of a task's name and its payload's canonical JSON (what arrives is what was signed: the payload
+    is JSON on the wire, so a worker's decoded dict gives the same bytes)."""
+    body = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hmac.new(key, f"{task_name}\n{body}".encode(), hashlib.sha256).hexdigest()
+
+
+def signature_ok(key: bytes, task_name: str, payload: Any, sig: object) -> bool:
+    return isinstance(sig, str) and hmac.compare_digest(sig, signature(key, task_name, payload))
+
+
+def signing_key(app: object) -> bytes | None:
+    """The key an app signs with (`make_app` sets it from EAGLE3Q_TASK_SIGNING_KEY), or None."""
+    return getattr(app, "eagle3q_signing_key", None)
+
+
 def _send(app: TaskSender, stage: Stage, payload: BaseModel, label: str, producer: Any = None) -> None:
     # A short argsrepr: Celery would otherwise repr the whole prompt for every message (a third of the producer's
     # time), and Flower shows the id, which is what one looks up.
-    app.send_task(stage.task, args=[payload.model_dump()], producer=producer, argsrepr=label, kwargsrepr="{}")
+    body = payload.model_dump()
+    key = signing_key(app)
+    kwargs = {"sig": signature(key, stage.task, body)} if key else {}
+    app.send_task(stage.task, args=[body], kwargs=kwargs, producer=producer, argsrepr=label, kwargsrepr="{}")
 
 
 def send_generate(app: TaskSender, task: InferenceTask, producer: Any = None) -> None:

@@ -1,10 +1,17 @@
 """The producer: one inference task per prompt, with stable sample ids. A re-run enqueues nothing already finished or
-queued; bad rows are counted and reported with their row numbers, and never stop the run."""
+queued; bad rows are counted and reported with their row numbers, and never stop the run.
+
+The backlog is bounded: at most `max_queued` prompts of a run are between enqueue and their last stage's mark. The
+producer waits for room and tops up as they finish (or, with `wait=False`, stops when the backlog is full; the same
+command run again continues where it stopped, since the ledger knows every id already enqueued).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +24,11 @@ from eagle3q.sources import BadRow, Prompt, iter_prompts
 # Batches grow from FIRST_BATCH to BATCH: the first tasks reach the consumers at once, later ones go in bulk.
 FIRST_BATCH = 8
 BATCH = 500
+log = logging.getLogger("eagle3q.producer")
+
+
+class SettingsError(ValueError):
+    """The producer's settings would make every task fail: refused before anything is sent."""
 
 
 @dataclass
@@ -29,6 +41,9 @@ class EnqueueReport:
     resent_pending: int = 0
     seconds: float = 0.0
     estimate_bytes: int | None = None
+    stopped_full: bool = False  # wait=False and the backlog was full: run again to continue
+    waited_s: float = 0.0  # time spent waiting for room in the backlog
+    first_sent_s: float | None = None  # from the start to the first task on the queue
 
     @property
     def rate(self) -> float:
@@ -60,7 +75,16 @@ def enqueue(
     max_prompt_chars: int = 200_000,
     train_target: int | None = None,
     train_on_drain: bool = False,
+    max_queued: int | None = None,
+    wait: bool = True,
+    poll_s: float = 0.5,
+    on_wait: Callable[[int, int], None] | None = None,
 ) -> EnqueueReport:
+    """`on_wait(open, cap)` is called (at most every 30 s) while the producer waits for room in the backlog."""
+    if settings.max_tokens > settings.max_tokens_limit:
+        raise SettingsError(f"EAGLE3Q_MAX_TOKENS {settings.max_tokens} is over EAGLE3Q_MAX_TOKENS_LIMIT "
+                         f"{settings.max_tokens_limit}: the workers would reject every task")
+    cap = settings.max_queued if max_queued is None else max_queued
     dataset = dataset_name or dataset_path.name
     sampling = sampling_of(settings)
     report = EnqueueReport(run=run)
@@ -72,22 +96,48 @@ def enqueue(
     batch: list[InferenceTask] = []
     batch_size = FIRST_BATCH
 
+    def room() -> int:
+        """How many more prompts the backlog takes now (waiting for some unless wait=False); 0: stop."""
+        if cap <= 0:
+            return BATCH
+        t_wait, last_note = time.monotonic(), 0.0
+        while (free := cap - ledger.open_total(run)) <= 0:
+            if not wait:
+                return 0
+            if on_wait is not None and time.monotonic() - last_note >= 30:
+                last_note = time.monotonic()
+                on_wait(cap - free, cap)
+            time.sleep(poll_s)
+        report.waited_s += time.monotonic() - t_wait
+        return free
+
+    def send(tasks: list[InferenceTask]) -> None:
+        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.control.reconcile).
+        ledger.open_tasks(run, {t.sample_id: t.model_dump_json() for t in tasks})
+        with app.producer_or_acquire() as producer:
+            for t in tasks:
+                send_generate(app, t, producer)
+        # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
+        # instead of leaving ids recorded that were never sent.
+        ledger.add_enqueued(run, [t.sample_id for t in tasks])
+        report.enqueued += len(tasks)
+        if report.first_sent_s is None:
+            report.first_sent_s = time.monotonic() - t0
+
     def flush() -> None:
         nonlocal batch_size
         batch_size = min(BATCH, batch_size * 4)
         known = ledger.known(run, [t.sample_id for t in batch])
         fresh = [t for t, k in zip(batch, known, strict=True) if not k]
         report.skipped_known += len(batch) - len(fresh)
-        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.control.reconcile).
-        ledger.open_tasks(run, {t.sample_id: t.model_dump_json() for t in fresh})
-        with app.producer_or_acquire() as producer:
-            for t in fresh:
-                send_generate(app, t, producer)
-        # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
-        # instead of leaving ids recorded that were never sent.
-        ledger.add_enqueued(run, [t.sample_id for t in fresh])
-        report.enqueued += len(fresh)
         batch.clear()
+        while fresh:
+            n = room()
+            if n == 0:
+                report.stopped_full = True
+                return
+            send(fresh[:n])
+            fresh = fresh[n:]
 
     for item in iter_prompts(dataset_path, max_prompt_chars=max_prompt_chars, split=split):
         if isinstance(item, BadRow):
@@ -101,8 +151,15 @@ def enqueue(
         batch.append(task_for(item, run, dataset, settings, sampling))
         if len(batch) >= batch_size:
             flush()
-    if batch:
+            if report.stopped_full:
+                break
+    if batch and not report.stopped_full:
         flush()
+    if report.stopped_full:
+        # Not the end of the data set: the run is not complete (it cannot drain) until a later call gets there.
+        ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})
+        report.seconds = time.monotonic() - t0
+        return report
 
     if resend_pending:
         report.resent_pending = resend(app, ledger, settings, dataset_path, run, dataset, split, max_prompt_chars)

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROLE_ALIASES = {
     "human": "user",
@@ -71,6 +71,10 @@ def normalize(data: Any) -> list[dict[str, str]]:
             raise ValueError(f"turn {i} has unknown role {role!r}")
         if not isinstance(content, str):
             raise ValueError(f"turn {i} content is {type(content).__name__}, expected a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud83d" escapes decode to a lone surrogate: no server takes it
+            raise ValueError(f"turn {i} content is not valid Unicode (lone surrogate at character {e.start})") from None
         out.append({"role": ROLE_ALIASES[role.lower()], "content": content})
     return out
 
@@ -101,10 +105,29 @@ def prompts_of(row: int, messages: list[dict[str, str]], max_prompt_chars: int) 
 # --- readers -------------------------------------------------------------------------------------------------------
 
 
+# A longer line is a bad row, read past in pieces: a file without newlines (a binary under a .jsonl name) never has
+# to fit in memory.
+MAX_LINE_BYTES = 64 << 20
+
+
+def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The file's lines; None for a line over MAX_LINE_BYTES (skipped to its end)."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield raw
+
+
 def _jsonl_rows(path: Path, start: int) -> Iterator[Row]:
     with path.open("rb") as f:
-        for i, raw in enumerate(f):
+        for i, raw in enumerate(_lines(f)):
             row = start + i
+            if raw is None:
+                yield Row(row, None, f"line longer than {MAX_LINE_BYTES >> 20} MiB")
+                continue
             if not raw.strip():
                 yield Row(row, None, "empty line")
                 continue

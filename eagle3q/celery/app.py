@@ -12,6 +12,7 @@ from kombu import Queue
 
 from celery import Celery
 from celery.apps.worker import Worker
+from eagle3q.celery.transport import use_for_redis_urls
 from eagle3q.config import Settings
 from eagle3q.contract import INFERENCE, QUEUES, ROLES, ROUTES, role_for_queues
 
@@ -20,10 +21,9 @@ WORKER_APP = "workers"  # the `-A` target: the top-level package `workers` holds
 
 def celery_config(s: Settings) -> dict:
     return {
+        # Served by kombu's Redis transport, except that an item that is not a message is set aside instead of
+        # killing the consumer (eagle3q.celery.transport, installed by make_app).
         "broker_url": s.broker_url(),
-        # kombu's Redis transport, except that an item that is not a message is set aside instead of killing the
-        # consumer (eagle3q.celery.transport).
-        "broker_transport": "eagle3q.celery.transport:Transport",
         "result_backend": None,
         "task_ignore_result": True,
         # JSON only: a pickle message is refused by every worker.
@@ -72,8 +72,11 @@ def broker_key(a: Celery, name: str, option: str | None = None) -> str:
 def make_app(s: Settings, worker: bool = False) -> Celery:
     """A Celery app for these settings. Producers (and tests) that talk to several brokers make one each: an app
     keeps its connection pool for the broker it first used. `worker=True`: with the tasks and worker services."""
+    use_for_redis_urls()
     a = Celery("eagle3q", set_as_current=False)
     a.conf.update(celery_config(s))
+    # Kept off the config (which `celery inspect conf` shows): the key every send of this app signs with.
+    a.eagle3q_signing_key = s.task_signing_key.get_secret_value().encode() if s.task_signing_key else None
     if worker:
         from eagle3q.celery.bootsteps import install
         from eagle3q.celery.tasks import register

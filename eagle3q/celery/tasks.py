@@ -16,7 +16,18 @@ from pydantic import BaseModel, ValidationError
 
 from celery import Celery, Task
 from eagle3q.config import get_settings
-from eagle3q.contract import HIDDEN_STATES, INFERENCE, TRAIN, InferenceTask, RunRef, SampleRef, send_extract, send_train
+from eagle3q.contract import (
+    HIDDEN_STATES,
+    INFERENCE,
+    TRAIN,
+    InferenceTask,
+    RunRef,
+    SampleRef,
+    Stage,
+    send_extract,
+    send_train,
+    signature_ok,
+)
 from eagle3q.generate.vllm_client import TransientError, backoff_s
 from eagle3q.store import StoreError
 
@@ -30,9 +41,14 @@ class RefusedPayload(Exception):
     pass
 
 
-def parse_payload(model: type[M], payload: object) -> M:
-    """Validate a message against its schema. A forged or malformed message is refused (logged, acknowledged, never
-    executed), so it cannot loop through redelivery either."""
+def parse_payload(model: type[M], payload: object, stage: Stage | None = None, sig: object = None) -> M:
+    """Validate a message against its schema (and, with EAGLE3Q_TASK_SIGNING_KEY set, its signature). A forged or
+    malformed message is refused (logged, acknowledged, never executed), so it cannot loop through redelivery."""
+    key = get_settings().task_signing_key
+    if key is not None and stage is not None and not signature_ok(key.get_secret_value().encode(), stage.task,
+                                                                  payload, sig):
+        log.error("refused a %s message: %s", model.__name__, "unsigned" if sig is None else "bad signature")
+        raise RefusedPayload(f"{model.__name__}: not signed with this deployment's key")
     try:
         return model.model_validate(payload)
     except ValidationError as e:
@@ -116,9 +132,9 @@ def _hidden_context(app: Celery):  # noqa: ANN202
 # --- the tasks ------------------------------------------------------------------------------------------------------
 
 
-def generate(self: Task, payload: dict) -> str:
+def generate(self: Task, payload: dict, sig: str | None = None) -> str:
     try:
-        task = parse_payload(InferenceTask, payload)
+        task = parse_payload(InferenceTask, payload, INFERENCE, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
     from eagle3q.stages.inference import reject_exhausted, run_inference
@@ -141,9 +157,9 @@ def generate(self: Task, payload: dict) -> str:
         raise retry_unexpected(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
 
 
-def extract(self: Task, payload: dict) -> str:
+def extract(self: Task, payload: dict, sig: str | None = None) -> str:
     try:
-        ref = parse_payload(SampleRef, payload)
+        ref = parse_payload(SampleRef, payload, HIDDEN_STATES, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
     from eagle3q.stages.hidden_states import run_extract
@@ -157,9 +173,9 @@ def extract(self: Task, payload: dict) -> str:
         raise retry_unexpected(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
 
 
-def train(self: Task, payload: dict) -> str:
+def train(self: Task, payload: dict, sig: str | None = None) -> str:
     try:
-        ref = parse_payload(RunRef, payload)
+        ref = parse_payload(RunRef, payload, TRAIN, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
     from eagle3q.control.ledger import Ledger

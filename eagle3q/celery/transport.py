@@ -4,7 +4,11 @@ truncated write, another application's data) is moved aside instead of killing t
 kombu decodes each BRPOP reply in `Channel._brpop_read`; a JSONDecodeError there is an "unrecoverable error" and
 the worker process exits, so one bad item kills one worker after another (a restart policy only hides it). Here the
 item is pushed to the queue's dead-letter list (`eagle3q.control.dead_letters`), logged with its queue, counted,
-and the worker goes on. `eagle3q status` shows the dead letters. Selected by `broker_transport` in the app config.
+and the worker goes on. `eagle3q status` shows the dead letters.
+
+Selected for `redis://` and `rediss://` URLs by `use_for_redis_urls` (called by `make_app`), not by Celery's
+`broker_transport` option: with that option the connection's URL becomes `eagle3q.celery.transport:Transport://...`
+and tools that read the scheme (Flower's Broker page and queue lengths) no longer recognise Redis.
 """
 
 from __future__ import annotations
@@ -64,3 +68,14 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+ALIAS = f"{__name__}:Transport"
+
+
+def use_for_redis_urls() -> None:
+    """`redis://` and `rediss://` connections made in this process use this transport (kombu's alias table)."""
+    from kombu import transport
+
+    for scheme in ("redis", "rediss"):
+        transport.TRANSPORT_ALIASES[scheme] = ALIAS

@@ -66,9 +66,15 @@ class RedisServer:
             "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--maxmemory-policy", "noeviction",
             "--logfile", str(self.workdir / "redis.log"),
         ]
+        # The password goes in through stdin ("-": read config from it): on the command line, `ps` would show it.
+        args.insert(1, "-")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        assert self.proc.stdin is not None
         if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')  # redis.conf's quoting
+            self.proc.stdin.write(f'requirepass "{quoted}"\n'.encode())
+        self.proc.stdin.close()
         client = redis.Redis(port=self.port, password=self.password)
         wait_until(client.ping, 20, "redis-server")
         return self
@@ -78,8 +84,8 @@ class RedisServer:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
 
-    def restart(self, down_s: float = 1.0) -> None:
-        self.stop()
+    def restart(self, down_s: float = 1.0, sig: int = signal.SIGTERM) -> None:
+        self.stop(sig)
         time.sleep(down_s)
         self.start()
 

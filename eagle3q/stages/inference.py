@@ -126,6 +126,11 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
         log.error("refused %s/%s: not registered by the producer (unknown id or altered payload)", task.run,
                   task.sample_id)
         return "refused: not registered"
+    if task.sampling.max_tokens > ctx.settings.max_tokens_limit:
+        # Registered, so it must end somewhere: a named rejection, not a generation this deployment does not allow.
+        _reject(ctx, task, "over_limit", f"max_tokens {task.sampling.max_tokens} > EAGLE3Q_MAX_TOKENS_LIMIT "
+                f"{ctx.settings.max_tokens_limit}", None)
+        return "rejected:over_limit"
     if ctx.store.has_sample(task.run, task.sample_id):  # written, but the mark was lost with a crash
         path = ctx.store.sample_path(task.run, task.sample_id)
         _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=path.stat().st_size)

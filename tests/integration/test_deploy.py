@@ -87,7 +87,9 @@ def test_scaling_services_have_no_fixed_names_or_host_ports():
 def test_redis_flower_and_secrets():
     redis_cmd = " ".join(_cmd(SERVICES["redis"]))
     assert "--appendonly yes" in redis_cmd and "--maxmemory-policy noeviction" in redis_cmd
-    assert "--requirepass" in redis_cmd and "${REDIS_PASSWORD:?" in redis_cmd
+    # the password goes in on stdin, never on a command line (`ps`, `docker inspect`)
+    assert "redis-server -" in redis_cmd and "--requirepass" not in redis_cmd and "REDIS_PASSWORD:?" not in redis_cmd
+    assert "requirepass" in redis_cmd and _env(SERVICES["redis"])["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
     flower = SERVICES["flower"]
     assert _env(flower)["FLOWER_BASIC_AUTH"].endswith("${FLOWER_PASSWORD:?set FLOWER_PASSWORD in .env}")
     assert "5555:5555" in flower["ports"][0] or flower["ports"][0].endswith(":5555")

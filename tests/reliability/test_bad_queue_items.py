@@ -32,3 +32,23 @@ def test_garbage_on_a_queue_is_set_aside_and_the_worker_lives(stack_factory):  #
     assert f"inference={len(bad)}" in out
     time.sleep(1.5)  # a few lost-message sweeps over a queue that held garbage: still alive
     assert w.alive()
+
+
+def test_garbage_on_the_gpu_queues_is_set_aside_and_the_pipeline_still_trains(stack_factory):  # noqa: ANN001
+    stack = stack_factory()
+    bad = ["\x00\x01binary", json.dumps({"body": "e30=", "headers": "not a dict"}), "{truncated"]
+    for queue in ("hidden_states", "train"):
+        stack.broker.rpush(queue, *bad)
+    stack.worker("inference", concurrency=4)
+    hs, tr = stack.worker("hidden_states"), stack.worker("train")
+    deadline = time.monotonic() + 30
+    while sum(stack.ledger.dead_letters().values()) < 2 * len(bad) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stack.ledger.dead_letters() == {"hidden_states": len(bad), "train": len(bad)}
+    stack.enqueue(SAMPLE_DATASET, "gpuq", max_samples=4)  # real work afterwards: extraction and training
+    stack.wait_settled("gpuq", stages=("inference", "hidden_states"), timeout_s=120)
+    deadline = time.monotonic() + 120
+    while stack.ledger.train_progress("gpuq").get("state") != "done" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stack.ledger.train_progress("gpuq").get("state") == "done"
+    assert hs.alive() and tr.alive() and all(w.alive() for w in stack.workers)

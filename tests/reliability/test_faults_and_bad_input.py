@@ -100,3 +100,41 @@ def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path:
     done, rejected = assert_accounted(stack, "disk")
     assert len(done) == 8 and not rejected
     json.dumps(c.stats)
+
+
+def test_hostile_rows_end_in_named_places(stack_factory, tmp_path: Path, write_jsonl, assert_accounted):  # noqa: ANN001
+    """Near-limit CJK and emoji prompts, a 5 MB line, NUL bytes, lone surrogates, rows without an assistant turn:
+    each row is a prompt (accepted or rejected by name) or a bad row, and the text survives byte for byte."""
+    limit = 2000
+    cjk, emoji = "你好世界，" * (limit // 5 - 1), "🙂🚀🧪👩\u200d💻" * (limit // 6 - 1)
+    rows = [
+        {"messages": [{"role": "user", "content": cjk}]},  # 0: just under the character limit
+        {"messages": [{"role": "user", "content": emoji}]},  # 1: ZWJ sequences, 4-byte characters
+        {"messages": [{"role": "user", "content": "你" * (limit + 1)}]},  # 2: just over it
+        {"messages": [{"role": "user", "content": "x" * 5_000_000}]},  # 3: a 5 MB line
+        {"messages": [{"role": "user", "content": "before\x00after: what is 2+2?"}]},  # 4: an escaped NUL is text
+        '{"messages": [{"role": "user", "content": "raw \x00 NUL"}]}',  # 5: a raw NUL byte is not JSON
+        '{"messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}',  # 6: lone surrogate
+        {"messages": [{"role": "system", "content": "You are helpful."}]},  # 7: nothing to answer
+        {"messages": [{"role": "assistant", "content": "An answer to nothing."}]},  # 8: nothing to answer
+        {"messages": [{"role": "user", "content": "Name a prime."}]},  # 9: no assistant turn: answer it
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "user", "content": "Name two colours."}]},  # 10: two user turns: the last is asked
+    ]
+    data = write_jsonl(tmp_path / "hostile.jsonl", rows)
+    assert data.stat().st_size > 5_000_000
+    stack = stack_factory()
+    rep = stack.enqueue(data, "hostile", max_prompt_chars=limit)
+    bad = {b.row: b.reason for b in rep.bad_rows}
+    assert set(bad) == {2, 3, 5, 6, 7, 8}, bad
+    assert "exceeds the limit" in bad[2] and "exceeds the limit" in bad[3] and "invalid JSON" in bad[5]
+    assert "lone surrogate" in bad[6] and bad[7] == bad[8] == "no user turn to answer"
+    assert rep.enqueued == 5
+    stack.worker("inference", concurrency=4)
+    stack.wait_settled("hostile")
+    done, rejected = assert_accounted(stack, "hostile")
+    assert not rejected, rejected
+    by_row = {stack.store.read_sample("hostile", sid).row: stack.store.read_sample("hostile", sid) for sid in done}
+    assert set(by_row) == {0, 1, 4, 9, 10}
+    for row, sample in by_row.items():
+        assert sample.messages[-1].content == rows[row]["messages"][-1]["content"]  # byte for byte

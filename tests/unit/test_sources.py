@@ -119,3 +119,25 @@ def test_sample_ids_are_stable_and_sensitive():
     }
     assert a not in others and len(others) == 5
     json.dumps(a)
+
+
+def test_overlong_line_is_a_bad_row_and_the_next_line_still_reads(tmp_path: Path, monkeypatch):  # noqa: ANN001
+    import eagle3q.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"x" * 5000 + b"\n" + json.dumps(PB).encode() + b"\n" + b"y" * 3000)  # no final newline
+    prompts, bad = split(iter_prompts(path))
+    assert [(b.row, b.reason) for b in bad] == [(0, "line longer than 0 MiB"), (2, "line longer than 0 MiB")]
+    assert [p.row for p in prompts] == [1]
+
+
+def test_lone_surrogates_and_raw_nul_bytes_are_bad_rows(tmp_path: Path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}\n'
+                     b'{"messages": [{"role": "user", "content": "raw \x00 byte"}]}\n'
+                     b'{"messages": [{"role": "user", "content": "escaped \\u0000 is text"}]}\n')
+    prompts, bad = split(iter_prompts(path))
+    assert {b.row: b.reason for b in bad}.keys() == {0, 1}
+    assert "lone surrogate" in bad[0].reason and "invalid JSON" in bad[1].reason
+    assert prompts[0].messages[0]["content"] == "escaped \x00 is text"
