@@ -7,7 +7,13 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install redis demo test lint bench clean
+# The peers' own code for tests/peers (their readers, converter and vocab functions run on what we write):
+# --no-deps, since their pins (transformers, datasets) would downgrade ours; plus the two packages their code
+# paths import that we do not.
+PEERS := speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
+PEER_DEPS := openai==3.60.0 loguru==0.7.3
+
+.PHONY: install peers redis demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +24,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+$(VENV)/.peers: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps $(PEERS)
+	$(BIN)/pip install -q $(PEER_DEPS)
+	touch $@
+
+peers: $(VENV)/.peers
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
@@ -25,7 +38,7 @@ redis:
 demo: install redis
 	$(BIN)/eagle3q demo
 
-test: install redis
+test: install peers redis
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

@@ -233,6 +233,27 @@ def eval_draft(
         typer.echo(f"{k}  {v:.3f}" + (f"    {untrained[k]:.3f}" if baseline else ""))
 
 
+@app.command("export-data")
+def export_data_cmd(
+    run: str = typer.Argument(..., help="the run whose samples (with hidden states) to export"),
+    out_dir: Path = typer.Argument(..., help="an empty directory, or an earlier export of the same run to resume"),
+    fmt: str = typer.Option(..., "--format", help="speculators | specforge"),
+) -> None:
+    """Write a run's samples in a peer trainer's own layout (speculators: hs_{i}.safetensors + Arrow data set;
+    SpecForge: data_{i}.ckpt), streaming and resumable."""
+    from eagle3q.config import get_settings
+    from eagle3q.eagle3.peer_export import ExportError, export_data
+    from eagle3q.store import Store
+
+    s = get_settings()
+    try:
+        rep = export_data(Store(s.store_dir), run, fmt, out_dir, s.target_model)
+    except ExportError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{rep.out_dir}: {rep.total} samples as {rep.fmt} ({rep.written} written, {rep.skipped} already there)")
+
+
 @app.command()
 def exporter(port: int = typer.Option(9808)) -> None:
     """Prometheus exporter of the ledger's run-wide counts."""

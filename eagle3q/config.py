@@ -47,9 +47,9 @@ class Settings(BaseSettings):
     reconcile_scan_limit: int = 20000  # longer queues (a backlog still draining) are not scanned
 
     # --- producer ---
-    # Prompts of a run between enqueue and their last stage's mark (all stages together) that the producer allows: it
-    # waits, and tops up as they finish. This keeps Redis memory flat in the data set's size (a queued prompt is
-    # ~2.8 KB: its message and its registered payload) and every queue under `reconcile_scan_limit`. 0: no cap.
+    # Prompts of a run waiting for generation (queued or in flight) that the producer allows: it waits, and tops up
+    # as they finish. This keeps Redis memory flat in the data set's size (a queued prompt is ~2 KB: its message and
+    # its registered payload) and the inference queue under `reconcile_scan_limit`. 0: no cap.
     max_queued: int = 5000
 
     # --- store ---
@@ -108,6 +108,7 @@ class Settings(BaseSettings):
     grad_clip: float = 0.5
     max_len: int = 4096
     checkpoint_every: int = 200
+    init_lm_head: bool = True  # the draft's LM head and final norm start as the target's (draft-vocab rows)
     # The trainer's run lock: renewed in the background while training, so a trainer that dies frees its run this
     # long after it died (a redelivered training task then takes over from the checkpoint).
     train_lock_s: int = 120

@@ -1,9 +1,12 @@
 """The producer: one inference task per prompt, with stable sample ids. A re-run enqueues nothing already finished or
 queued; bad rows are counted and reported with their row numbers, and never stop the run.
 
-The backlog is bounded: at most `max_queued` prompts of a run are between enqueue and their last stage's mark. The
-producer waits for room and tops up as they finish (or, with `wait=False`, stops when the backlog is full; the same
-command run again continues where it stopped, since the ledger knows every id already enqueued).
+The backlog is bounded: at most `max_queued` prompts of a run wait for generation (queued or in flight in the
+inference stage, each ~2 KB in Redis: its message and its registered payload). The producer waits for room and tops
+up as they finish (or, with `wait=False`, stops when the backlog is full; the same command run again continues where
+it stopped, since the ledger knows every id already enqueued). Accepted samples waiting for hidden states are not
+counted: a deployment that generates everything before it starts extraction (vLLM first, then the GPUs for the
+target) must not stall; their messages are ids only.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def enqueue(
         if cap <= 0:
             return BATCH
         t_wait, last_note = time.monotonic(), 0.0
-        while (free := cap - ledger.open_total(run)) <= 0:
+        while (free := cap - ledger.open_count(run, INFERENCE.name)) <= 0:
             if not wait:
                 return 0
             if on_wait is not None and time.monotonic() - last_note >= 30:

@@ -12,6 +12,7 @@ import pytest
 from eagle3q.control.ledger import Ledger
 from eagle3q.dev.local import LocalStack, RedisServer
 from eagle3q.dev.tiny import SAMPLE_DATASET, build_model, build_tokenizer
+from eagle3q.store import Store
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,21 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tokenizer + tiny random Llama, built locally once per session."""
     return build_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def hidden_run(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
+    """A store whose run "r" has 5 samples' hidden-state files, extracted by the real extractor from the tiny
+    target (generated tokens from position 6 on)."""
+    from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
+
+    store = Store(tmp_path_factory.mktemp("hidden_run"))
+    ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
+    for i in range(5):
+        ids = list(range(3 + i, 23 + 3 * i))
+        write_hidden(store.hidden_path("r", f"{i:032x}"), ids, [0] * 6 + [1] * (len(ids) - 6),
+                     ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state})
+    return store
 
 
 @pytest.fixture

@@ -164,13 +164,6 @@ class Ledger:
     def open_count(self, run: str, stage: str) -> int:
         return int(self._r.hlen(keys.open_ids(run, stage)))
 
-    def open_total(self, run: str) -> int:
-        """Ids of the run entered into some stage and not through the last one yet (the producer's backlog)."""
-        p = self._r.pipeline(transaction=False)
-        for stage in STAGES:
-            p.hlen(keys.open_ids(run, stage))
-        return sum(int(n) for n in p.execute())
-
     def open_ids(self, run: str, stage: str) -> set[str]:
         return set(self._r.hkeys(keys.open_ids(run, stage)))
 

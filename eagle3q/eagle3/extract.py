@@ -5,7 +5,10 @@ is [2, L//2, L-3]; SpecForge / Model-Optimizer write [1, L//2-1, L-4] for the sa
 `from_layer_indices` to convert, never copy ids across conventions.
 
 One safetensors file per sample: input_ids [T] (int64), loss_mask [T] (uint8), aux_hidden_states [T, 3H] and
-hidden_state [T, H] (bf16). The file's metadata says whether the final state is post-norm (transformers) or not.
+hidden_state [T, H] (bf16). The final state is the last decoder layer's output before the target's final norm, what
+vLLM's extraction returns: the post-norm state follows from it with the norm's weight (training and the SpecForge
+export apply it), the pre-norm one cannot be recovered from the post-norm. The file's metadata `final_state` says
+which one a file holds ("pre_norm", or "post_norm" for a target without a final norm module, and older files).
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ class TransformersExtractor:
         self.model = model.eval()
         # The decoder without the LM head: logits over a 160k vocabulary would cost more than the states we keep.
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        # The final norm's input is the pre-norm final state (transformers' last hidden state is after the norm).
+        self.final_norm = getattr(self.decoder, "norm", None)
+        self.final_state = "pre_norm" if isinstance(self.final_norm, torch.nn.Module) else "post_norm"
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[Extracted]:
         torch = self.torch
@@ -106,14 +112,22 @@ class TransformersExtractor:
             # Right padding: with a causal mask, real tokens never attend to the pads after them.
             ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
             mask[i, : len(x)] = 1
-        with torch.inference_mode():
-            out = self.decoder(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True,
-                use_cache=False,
-            )
+        captured: list = []
+        hook = None
+        if self.final_state == "pre_norm":
+            hook = self.final_norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        try:
+            with torch.inference_mode():
+                out = self.decoder(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True,
+                    use_cache=False,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         hs = out.hidden_states
-        aux = torch.cat([hs[i] for i in self.aux_ids], dim=-1)
-        final = hs[self.num_layers]
+        aux = torch.cat([hs[i].to(self.device) for i in self.aux_ids], dim=-1)
+        final = captured[-1] if captured else hs[self.num_layers]
         return [Extracted(aux[i, :n].float().cpu(), final[i, :n].float().cpu()) for i, n in enumerate(lengths)]
 
 

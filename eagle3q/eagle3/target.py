@@ -52,6 +52,11 @@ def load_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def final_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's final RMSNorm (Llama, DeepSeek-V3 / Kimi): pre-norm final states -> what its LM head reads."""
+    return weight * (h * (h.pow(2).mean(-1, keepdim=True) + eps).rsqrt())
+
+
 def text_config(cfg: Any) -> Any:
     """The language model's part of a config (a dict or a transformers config): multimodal wrappers (Kimi-K2.5)
     nest it under `text_config`."""

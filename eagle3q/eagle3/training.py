@@ -24,7 +24,7 @@ import torch
 from eagle3q.config import Settings
 from eagle3q.eagle3.checkpoint import load_checkpoint, save_checkpoint
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
-from eagle3q.eagle3.target import load_target_tensors, target_config
+from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_vocab
 
 log = logging.getLogger("eagle3q.train")
@@ -82,7 +82,7 @@ class TargetHead:
         if not b.final_is_normed:
             if self.norm is None:
                 raise ValueError("pre-norm final states need the target's final norm weight")
-            h = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+            h = final_norm(h, self.norm, self.eps)
         return torch.softmax(h @ self.w.T, -1)
 
 
@@ -107,8 +107,10 @@ def ttt_loss(model: Eagle3Draft, b: Batch, target_p: torch.Tensor, steps: int) -
         tokens = _shift(b.input_ids[1:], k).unsqueeze(0)  # x[t+1+k]
         logits, h = model.step(tokens, h, pos + k, cache)
         p = _shift(target_p[1:], k)  # target distribution at t+1+k (predicts x[t+2+k])
-        mask = _shift(b.loss_mask[2:], k)  # length T-2: pad to rows
-        mask = torch.cat([mask, torch.zeros(rows - mask.numel())]) if mask.numel() < rows else mask[:rows]
+        # Trained where the input token x[t+1+k] is generated: at inference the draft starts from the target's
+        # state at the last accepted token and the token the target sampled, so it never predicts the first
+        # generated token from inside the prompt. The convention of speculators' trainer (mask on the input token).
+        mask = _shift(b.loss_mask[1:], k)
         logp = torch.log_softmax(logits[0].float(), -1)
         ce = -(p * logp).sum(-1)
         denom = mask.sum().clamp(min=1)
@@ -134,6 +136,16 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def init_head_from_target(model: Eagle3Draft, tensors: dict[str, torch.Tensor], t2d: torch.Tensor) -> None:
+    """The draft's output head starts as the target's, restricted to the draft vocabulary: its LM head rows and its
+    final norm (speculators does the same for the rows). The draft then only has to learn to predict the target's
+    next final state, not also a readout from scratch."""
+    with torch.no_grad():
+        model.lm_head.weight.copy_(tensors["lm_head"][t2d])
+        if "norm" in tensors and tensors["norm"].shape == model.norm.weight.shape:
+            model.norm.weight.copy_(tensors["norm"])
+
+
 def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, dict]:
     tcfg = target_config(target_dir)
     cfg = DraftConfig.from_target(tcfg, s.draft_vocab_size)
@@ -153,6 +165,8 @@ def train_draft(files: list[Path], s: Settings, out: Path, target_dir: str, prog
     d2t, t2d, cov = build_vocab(files, cfg.vocab_size, cfg.draft_vocab_size, out / "vocab.safetensors")
     log.info("run %s: %d files, draft vocab %d covers %.1f%% of loss tokens", run, len(files), d2t.numel(), 100 * cov)
     head = TargetHead(tensors, t2d, cfg.rms_norm_eps)
+    if s.init_lm_head:
+        init_head_from_target(model, tensors, t2d)  # a checkpoint, if there is one, overwrites it below
     meta0 = json.loads((load_meta(files[0])).get("aux_layer_ids", "null")) or []
 
     params = [p for p in model.parameters() if p.requires_grad]

@@ -21,21 +21,22 @@ def settings(redis_server) -> Settings:  # noqa: ANN001
 
 
 def _finish(ledger, run: str, n: int) -> None:  # noqa: ANN001
-    """What consumers do: n open prompts reach a terminal mark (here rejected, so they leave every stage)."""
+    """What consumers do: n open prompts are generated (accepted: they now wait for hidden states, which no worker
+    extracts here, and that must not hold the producer back)."""
     for sid in sorted(ledger.open_ids(run, INFERENCE.name))[:n]:
-        ledger.mark_rejected(run, INFERENCE.name, sid, "test")
+        ledger.mark_done(run, INFERENCE.name, sid)
 
 
 def test_full_backlog_stops_and_a_rerun_tops_up(settings, ledger, redis_server):  # noqa: ANN001
     app = make_app(settings)
     rep = enqueue(app, ledger, settings, SAMPLE_DATASET, "bl", max_samples=12, wait=False)
-    assert rep.stopped_full and rep.enqueued == 5 and ledger.open_total("bl") == 5
+    assert rep.stopped_full and rep.enqueued == 5 and ledger.open_count("bl", INFERENCE.name) == 5
     assert ledger.meta("bl")["enqueue_complete"] == "0"  # not the end of the data set: the run cannot drain
     again = enqueue(app, ledger, settings, SAMPLE_DATASET, "bl", max_samples=12, wait=False)
     assert again.enqueued == 0 and again.stopped_full  # still full: nothing more
     _finish(ledger, "bl", 3)
     again = enqueue(app, ledger, settings, SAMPLE_DATASET, "bl", max_samples=12, wait=False)
-    assert again.enqueued == 3 and again.skipped_known == 5 and ledger.open_total("bl") == 5
+    assert again.enqueued == 3 and again.skipped_known == 5 and ledger.open_count("bl", INFERENCE.name) == 5
     _finish(ledger, "bl", 5)
     last = enqueue(app, ledger, settings, SAMPLE_DATASET, "bl", max_samples=12, wait=False)
     assert last.enqueued == 4 and not last.stopped_full and ledger.meta("bl")["enqueue_complete"] == "1"
@@ -51,7 +52,7 @@ def test_waiting_producer_tops_up_as_prompts_finish(settings, ledger):  # noqa: 
 
     def consumer() -> None:  # finishes one open prompt every few ms, watching the backlog's size
         while not stop.is_set():
-            peak[0] = max(peak[0], ledger.open_total("w"))
+            peak[0] = max(peak[0], ledger.open_count("w", INFERENCE.name))
             _finish(ledger, "w", 1)
             time.sleep(0.01)
 
@@ -64,11 +65,12 @@ def test_waiting_producer_tops_up_as_prompts_finish(settings, ledger):  # noqa: 
         t.join()
     assert rep.enqueued == 30 and not rep.stopped_full and rep.waited_s > 0
     assert peak[0] <= 5 and ledger.meta("w")["enqueue_complete"] == "1"
+    assert ledger.open_count("w", "hidden_states") >= 25  # samples waiting for extraction do not hold it back
 
 
 def test_no_cap_sends_everything(settings, ledger):  # noqa: ANN001
     rep = enqueue(make_app(settings), ledger, settings, SAMPLE_DATASET, "nocap", max_samples=20, max_queued=0)
-    assert rep.enqueued == 20 and ledger.open_total("nocap") == 20
+    assert rep.enqueued == 20 and ledger.open_count("nocap", INFERENCE.name) == 20
 
 
 def test_max_tokens_over_the_limit_is_refused_before_sending(redis_server, ledger):  # noqa: ANN001

@@ -72,6 +72,30 @@ def test_aux_ids_are_vllm_ids(extractor):  # noqa: ANN001
         torch.testing.assert_close(ex.aux[:, slot * h:(slot + 1) * h], outputs[layer_id - 1][0].float())
 
 
+def test_final_state_is_before_the_norm_and_the_norm_recovers_what_the_head_reads(extractor, tiny):  # noqa: ANN001
+    """What vLLM's extraction returns: the last layer's output before the final norm. Applying the norm gives
+    transformers' last hidden state (what the LM head reads) and the target's own logits."""
+    from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+
+    ids = list(range(7, 40))
+    outputs = {}
+    last = extractor.decoder.layers[-1]
+    hook = last.register_forward_hook(lambda m, i, o: outputs.__setitem__("last", o[0] if isinstance(o, tuple) else o))
+    try:
+        ex = extractor.extract([ids])[0]
+    finally:
+        hook.remove()
+    assert extractor.final_state == "pre_norm"
+    torch.testing.assert_close(ex.final, outputs["last"][0].float())
+    t = load_target_tensors(tiny)
+    normed = final_norm(ex.final, t["norm"], target_config(tiny)["rms_norm_eps"])
+    with torch.inference_mode():
+        out = extractor.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(normed, out.hidden_states[-1][0].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(normed @ t["lm_head"].T, out.logits[0].float(), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ex.final, normed, atol=1e-2)  # the norm matters (the tiny target's weight is not 1)
+
+
 def test_batched_equals_alone(extractor):  # noqa: ANN001
     seqs = [list(range(10, 10 + n)) for n in (7, 31, 18, 31, 3)]
     alone = [extractor.extract([s])[0] for s in seqs]
@@ -97,7 +121,8 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
     ex = extractor.extract([ids])[0]
     assert check_tensors(ids, ex, extractor.hidden_size) is None
     path = tmp_path / "s.safetensors"
-    n = write_hidden(path, ids, [0] * 5 + [1] * 15, ex, {"aux_layer_ids": [2, 4, 5], "final_state": "post_norm"})
+    n = write_hidden(path, ids, [0] * 5 + [1] * 15, ex,
+                     {"aux_layer_ids": [2, 4, 5], "final_state": extractor.final_state})
     assert n == path.stat().st_size and file_is_valid(path, 20) and not file_is_valid(path, 21)
     t = load_hidden(path)
     assert t["aux_hidden_states"].dtype == t["hidden_state"].dtype == torch.bfloat16

@@ -55,7 +55,7 @@ def make_run(tiny, store: Store, run: str, n: int, mean_tokens: int = 48) -> Non
                                   reasoning=v.reasoning, content=v.content, finish_reason="stop", truncated=False,
                                   endpoint="sim", latency_s=0.0))
         write_hidden(store.hidden_path(run, sid), ids, mask, ex.extract([ids])[0],
-                     {"aux_layer_ids": ex.aux_ids, "final_state": "post_norm"})
+                     {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state})
 
 
 def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001

@@ -1,0 +1,184 @@
+"""`eagle3q export-data`: a run's samples with hidden states, in a peer trainer's own layout.
+
+- speculators (0.9): `OUT/hidden_states/hs_{i}.safetensors` with `token_ids` [T] int64 and `hidden_states`
+  [T, n_aux + 1, H] bf16 (the aux layers in layer order, then the final state before the target's norm: its trainer
+  applies the verifier norm itself), and an Arrow data set in `OUT` (`save_to_disk`, torch format) with
+  `input_ids`, `loss_mask` and `seq_len`, row i matching file i. Its `ArrowDataset(datapath=OUT)` reads it.
+- SpecForge (0.2): `OUT/data_{i}.ckpt` (`torch.save`) with `input_ids` [T], `loss_mask` [T] (int64),
+  `hidden_state` [1, T, H] after the target's final norm (its target head applies none) and `aux_hidden_state`
+  [1, T, 3H] bf16, as its `prepare_hidden_states.py` writes them; `process_offline_eagle3_sample` reads them.
+
+`loss_mask` is 1 on the generated tokens in both, the array each peer's own preprocessing writes for the same
+conversation (each trainer aligns it with its shifted inputs in its own way).
+
+Streaming (one sample in memory), resumable: the sample order is frozen in `OUT/eagle3q-export.json` on the first
+call (later calls append samples that arrived since), files are written atomically, and a file already there is
+not written again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+from eagle3q.store import Store, write_atomic
+
+FORMATS = ("speculators", "specforge")
+MANIFEST = "eagle3q-export.json"
+
+
+class ExportError(Exception):
+    pass
+
+
+@dataclass
+class ExportReport:
+    out_dir: Path
+    fmt: str
+    total: int
+    written: int
+    skipped: int
+
+
+def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str]) -> list[str]:
+    """The frozen order: what an earlier call exported first, then the ids that are new."""
+    path = out_dir / MANIFEST
+    if path.is_file():
+        m = json.loads(path.read_text())
+        if m.get("run") != run or m.get("format") != fmt:
+            raise ExportError(f"{out_dir} holds an export of run {m.get('run')!r} as {m.get('format')!r}: "
+                              "choose another directory")
+        order: list[str] = m["ids"]
+        known = set(order)
+        order += [i for i in ids if i not in known]
+    else:
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise ExportError(f"{out_dir} is not empty and holds no eagle3q export")
+        order = list(ids)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"run": run, "format": fmt, "ids": order}).encode())
+    return order
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        t = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")}
+    return t, json.loads(meta.get("final_state", '"post_norm"'))
+
+
+class _Norm:
+    """The target's final RMSNorm, for formats that want the state after it."""
+
+    def __init__(self, target_dir: str):
+        self.weight = load_target_tensors(target_dir).get("norm")
+        self.eps = float(target_config(target_dir).get("rms_norm_eps", 1e-6))
+        if self.weight is None:
+            raise ExportError(f"no final norm weight in {target_dir}: cannot give post-norm states")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return final_norm(h.float(), self.weight, self.eps)
+
+
+def _speculators_file(t: dict[str, torch.Tensor], final_state: str) -> bytes:
+    from safetensors.torch import save
+
+    if final_state != "pre_norm":
+        raise ExportError("speculators wants the final state before the target's norm; this run's files hold it "
+                          "after the norm (extracted by an older eagle3q): extract its hidden states again")
+    n, width = t["aux_hidden_states"].shape
+    h = t["hidden_state"].shape[-1]
+    layers = torch.cat([t["aux_hidden_states"].reshape(n, width // h, h), t["hidden_state"].reshape(n, 1, h)], 1)
+    return save({"token_ids": t["input_ids"].long().contiguous(),
+                 "hidden_states": layers.to(torch.bfloat16).contiguous()})
+
+
+def _specforge_file(t: dict[str, torch.Tensor], final_state: str, norm: _Norm | None) -> bytes:
+    import io
+
+    final = t["hidden_state"]
+    if final_state == "pre_norm":
+        assert norm is not None
+        final = norm(final)
+    buf = io.BytesIO()
+    torch.save({"input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
+                "hidden_state": final.to(torch.bfloat16).unsqueeze(0).contiguous(),
+                "aux_hidden_state": t["aux_hidden_states"].to(torch.bfloat16).unsqueeze(0).contiguous()}, buf)
+    return buf.getvalue()
+
+
+def _dest(out_dir: Path, fmt: str, i: int) -> Path:
+    return out_dir / "hidden_states" / f"hs_{i}.safetensors" if fmt == "speculators" else out_dir / f"data_{i}.ckpt"
+
+
+def _write_arrow(out_dir: Path, files: list[Path]) -> None:
+    """speculators' data set: row i = file i. Written last (ids and masks only) from a generator, so a long run
+    does not hold its token lists in memory."""
+    import datasets
+
+    def rows() -> Iterator[dict]:
+        for f in files:
+            t, _ = _load(f)
+            yield {"input_ids": t["input_ids"].long().tolist(), "loss_mask": t["loss_mask"].long().tolist(),
+                   "seq_len": int(t["input_ids"].numel())}
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    cache = out_dir / ".cache"
+    ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
+    ds.set_format(type="torch")  # as speculators' preprocessing saves it: its reader compares tensors
+    staging = out_dir / ".arrow-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    ds.save_to_disk(str(staging))
+    for p in staging.iterdir():  # next to hidden_states/, where speculators' ArrowDataset looks for both
+        p.replace(out_dir / p.name)
+    staging.rmdir()
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str = "",
+                progress: bool = True) -> ExportReport:
+    if fmt not in FORMATS:
+        raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
+    by_id = {p.stem: p for p in store.hidden_files(run)}
+    if not by_id:
+        raise ExportError(f"run {run!r} has no hidden-state files under {store.run_dir(run)}")
+    order = _manifest(out_dir, run, fmt, sorted(by_id))
+    missing = [i for i in order if i not in by_id]
+    if missing:
+        raise ExportError(f"{len(missing)} samples of the earlier export are gone from the store (e.g. {missing[0]})")
+    norm = None
+    if fmt == "specforge":
+        first_state = _load(by_id[order[0]])[1]
+        if first_state == "pre_norm":
+            if not target_dir:
+                raise ExportError("SpecForge wants post-norm final states: set EAGLE3Q_TARGET_MODEL (its norm)")
+            norm = _Norm(target_dir)
+    written = skipped = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(order), desc=f"export {run} as {fmt}", unit="sample", disable=not progress)
+    for i, sid in enumerate(order):
+        dest = _dest(out_dir, fmt, i)
+        if dest.is_file():  # written atomically: present means complete
+            skipped += 1
+        else:
+            t, final_state = _load(by_id[sid])
+            data = _speculators_file(t, final_state) if fmt == "speculators" else _specforge_file(t, final_state, norm)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(dest, data)
+            written += 1
+        bar.update(1)
+    bar.close()
+    if fmt == "speculators":
+        _write_arrow(out_dir, [by_id[i] for i in order])
+    return ExportReport(out_dir, fmt, len(order), written, skipped)

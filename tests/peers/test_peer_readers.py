@@ -1,0 +1,154 @@
+"""The peers' own readers, converters and vocab functions on what eagle3q writes (speculators 0.9, SpecForge 0.2).
+A peer that rejects our output, or computes other numbers from it, fails here."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3q.eagle3.peer_export import export_data
+from eagle3q.eagle3.target import load_target_tensors, target_config
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm class speculators' Llama verifier uses (transformers' LlamaRMSNorm), with the target's weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(weight.numel(), eps=eps)
+    norm.weight.data.copy_(weight)
+    with torch.no_grad():
+        return norm(h.float())
+
+
+def _target_logits(tiny: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids[None]).logits[0]
+
+
+def test_speculators_reads_our_export_and_its_trainer_gets_the_targets_logits(hidden_run, tmp_path, tiny):  # noqa: ANN001
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.models.eagle3 import shift_batch
+    from speculators.train.data import ArrowDataset
+
+    out = tmp_path / "speculators"
+    export_data(hidden_run, "r", "speculators", out, str(tiny), progress=False)
+    ds = ArrowDataset(max_len=4096, datapath=out, on_missing="raise")  # its trainer's reader, offline files only
+    assert len(ds) == 5
+    tensors, eps = load_target_tensors(tiny), target_config(tiny)["rms_norm_eps"]
+    for i in range(len(ds)):
+        raw = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        check_hidden_states(raw, ds.data[i]["input_ids"].tolist())  # its own validator
+        item = ds[i]
+        t = item["input_ids"].numel()
+        assert item["hidden_states"].shape == (t, 3 * 64) and item["verifier_last_hidden_states"].shape == (t, 64)
+        assert int(item["loss_mask"].sum()) == t - 6
+        shifted = shift_batch(item)
+        assert shifted["input_ids"].numel() == t - 1
+        # Its trainer's targets: verifier_lm_head(verifier_norm(last)). From our pre-norm state that is the target's
+        # own distribution; a post-norm state normalised a second time would not be.
+        logits = _rms_norm(item["verifier_last_hidden_states"], tensors["norm"], eps) @ tensors["lm_head"].T
+        want = _target_logits(tiny, item["input_ids"])
+        twice = _rms_norm(_rms_norm(item["verifier_last_hidden_states"], tensors["norm"], eps), tensors["norm"], eps)
+        good = (logits - want).abs().max().item()
+        bad = (twice @ tensors["lm_head"].T - want).abs().max().item()
+        assert good < 0.05 * want.abs().max().item() and bad > 5 * good, (good, bad)
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_specforge_reads_our_export_with_its_own_reader(hidden_run, tmp_path, tiny):  # noqa: ANN001
+    from specforge.data.preprocessing import process_offline_eagle3_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    out = tmp_path / "specforge"
+    export_data(hidden_run, "r", "specforge", out, str(tiny), progress=False)
+    refs = OfflineManifestReader(str(out), validate_files=True).read()  # checks every file's keys up front
+    assert len(refs) == 5
+    tensors = load_target_tensors(tiny)
+    for ref in refs:
+        raw = load_feature_file(ref.feature_store_uri.removeprefix("file://"))
+        sample = process_offline_eagle3_sample(raw, max_len=4096)
+        t = raw["input_ids"].numel()
+        assert sample["hidden_state"].shape == (1, t, 3 * 64) and sample["target"].shape == (1, t, 64)
+        assert sample["input_ids"].shape == sample["loss_mask"].shape == (1, t)
+        # SpecForge's target head applies no norm: our post-norm state gives the target's logits as they are.
+        logits = sample["target"][0].float() @ tensors["lm_head"].T
+        want = _target_logits(tiny, raw["input_ids"])
+        assert (logits - want).abs().max().item() < 0.05 * want.abs().max().item()
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_vocab_mapping_is_the_peers_bit_for_bit(hidden_run, tiny):  # noqa: ANN001
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    from eagle3q.eagle3.vocab import build_mapping, count_tokens
+
+    vocab = int(target_config(tiny)["vocab_size"])
+    counts = count_tokens(hidden_run.hidden_files("r"), vocab)
+    freq = {int(i): int(counts[i]) for i in torch.nonzero(counts).flatten()}  # ascending ids
+    for n in (16, 64, 300):  # fewer tokens than seen, and more (filled with unseen ones)
+        d2t, t2d = build_mapping(counts, n)
+        s_d2t, s_t2d = build_vocab_mappings_from_distribution(dict(freq), n, vocab)
+        f_d2t, f_t2d = process_token_dict_to_mappings(Counter(freq), n, vocab)
+        assert torch.equal(d2t, s_d2t) and torch.equal(t2d, s_t2d), n
+        assert torch.equal(d2t, f_d2t) and torch.equal(t2d, f_t2d), n
+
+
+def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noqa: ANN001
+    """Our export, converted by `speculators convert --algorithm eagle3`'s converter and run by its
+    Eagle3DraftModel: the same logits as our draft over three TTT steps (fp32, teacher-forced)."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3q.eagle3.export import export_draft, load_exported
+    from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3q.eagle3.training import _shift
+    from eagle3q.eagle3.vocab import build_mapping
+
+    tc, tensors = target_config(tiny), load_target_tensors(tiny)
+    torch.manual_seed(0)
+    c = DraftConfig.from_target(tc, 256)
+    draft = Eagle3Draft(c, tensors["embed"])
+    for p in draft.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), 256)
+    export_draft(tmp_path / "ours", draft, c, d2t, t2d, [2, 4, 5])
+    # The converter takes the aux ids as an option (`--algorithm-kwargs`), the README's command passes our
+    # config's top-level ids; the converted config must carry them unchanged (same convention as vLLM's).
+    ours_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    Eagle3Converter().convert(tmp_path / "ours", tmp_path / "conv", base_model=str(tiny), validate=True,
+                              eagle_aux_hidden_state_layer_ids=ours_cfg["eagle_aux_hidden_state_layer_ids"])
+    cfg = json.loads((tmp_path / "conv" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "conv"))
+    assert theirs.target_layer_ids == [2, 4, 5]
+    theirs.load_verifier_weights()  # the embeddings, from the target, as its trainer does
+    theirs = theirs.float().eval()
+    assert torch.equal(theirs.d2t.long(), d2t) and torch.equal(theirs.t2d.bool(), t2d)
+    ours = load_exported(tmp_path / "ours", tensors["embed"])[0].eval()
+
+    t = 129  # its flex-attention masks come in blocks of 128 rows
+    torch.manual_seed(1)
+    x = torch.randint(0, tc["vocab_size"], (t,))
+    aux = torch.randn(t, 3 * c.hidden_size)
+    rows, pos = t - 1, torch.arange(t - 1) + 1
+    captured: list[torch.Tensor] = []
+    hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
+    with torch.no_grad():
+        theirs(hidden_states=aux[:rows][None], input_ids=x[1:][None], position_ids=pos[None], ttt_steps=3,
+               document_ids=torch.zeros(1, rows, dtype=torch.long))
+        hook.remove()
+        h, cache = ours.fc(aux[:rows]).unsqueeze(0), []
+        for k in range(3):
+            logits, h = ours.step(_shift(x[1:], k).unsqueeze(0), h, pos + k, cache)
+            valid = rows - k  # past the end both pad with token 0
+            assert (logits[0, :valid] - captured[k][0, :valid]).abs().max().item() <= 1e-4, k
