@@ -7,7 +7,9 @@ import bench_overhead
 import bench_producer
 import bench_scaling
 import bench_throughput
+import bench_training
 
 if __name__ == "__main__":
-    for mod in (bench_throughput, bench_scaling, bench_producer, bench_overhead, bench_extraction):
+    for mod in (bench_throughput, bench_scaling, bench_producer, bench_overhead, bench_extraction,
+                bench_training):
         mod.main()

@@ -212,25 +212,34 @@ def train(run: str = typer.Option("default")) -> None:
 
 @app.command("eval-draft")
 def eval_draft(
-    export: Path = typer.Argument(..., help="exported draft directory (config.json + model.safetensors)"),
-    dataset: Path = typer.Option(None, help="prompts from this data set (default: the bundled sample)"),
-    prompts: int = typer.Option(8),
-    max_new: int = typer.Option(48),
-    baseline: bool = typer.Option(True, help="also measure an untrained draft"),
+    run: str = typer.Option("default", help="the run: its export, its held-out prompts, its bigram baseline"),
+    export: Path = typer.Option(None, help="an exported draft directory (default: the run's export)"),
+    dataset: Path = typer.Option(None, help="prompts from this data set instead of the run's held-out rows "
+                                            "(they may have been trained on)"),
+    prompts: int = typer.Option(32),
+    max_new: int = typer.Option(64),
+    untrained: bool = typer.Option(False, help="also measure an untrained draft"),
 ) -> None:
-    """Greedy speculative decoding of the draft against its target: mean acceptance length for k = 1..5."""
+    """Greedy speculative decoding against the target on held-out prompts: mean acceptance length for k = 1..5 of
+    the draft, a bigram table (the baseline to beat), an untrained draft, and the ceiling k+1."""
     from eagle3q.config import get_settings
-    from eagle3q.dev.tiny import SAMPLE_DATASET
-    from eagle3q.eagle3.evaluate import dataset_prompts, evaluate
+    from eagle3q.eagle3.evaluate import acceptance_table, dataset_prompts, format_table, heldout_prompts
+    from eagle3q.store import Store
 
     s = get_settings()
-    ids = dataset_prompts(dataset or SAMPLE_DATASET, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)
-    trained = evaluate(s.target_model, str(export), ids, max_new=max_new)
-    typer.echo("k  trained" + ("  untrained" if baseline else ""))
-    untrained = evaluate(s.target_model, None, ids, max_new=max_new, draft_vocab_size=s.draft_vocab_size) \
-        if baseline else {}
-    for k, v in trained.items():
-        typer.echo(f"{k}  {v:.3f}" + (f"    {untrained[k]:.3f}" if baseline else ""))
+    store = Store(s.store_dir)
+    if dataset is not None:
+        ids = dataset_prompts(dataset, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)
+    else:
+        try:
+            ids = heldout_prompts(store, run, prompts)
+        except (FileNotFoundError, ValueError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    table = acceptance_table(s.target_model, str(export or store.train_dir(run) / "export"), ids, store, run,
+                             max_new=max_new, draft_vocab_size=s.draft_vocab_size, untrained=untrained)
+    typer.echo(f"{len(ids)} prompts x {max_new} tokens" + ("" if dataset else " (held out: never trained on)"))
+    typer.echo(format_table(table))
 
 
 @app.command("export-data")

@@ -102,16 +102,23 @@ class Settings(BaseSettings):
     train_target: int = 0  # samples with hidden states that trigger training; 0 = all accepted once the run drains
     draft_vocab_size: int = 32000
     ttt_steps: int = 7
-    epochs: int = 2
+    # SpecForge's defaults (EAGLE itself trains 40 epochs).
+    epochs: int = 10
     lr: float = 1e-4
-    warmup_ratio: float = 0.05
+    warmup_ratio: float = 0.015
+    # Tokens per optimizer step (samples packed up to it; each sample's backward accumulates into the step).
+    train_batch_tokens: int = 16384
+    # Data-parallel training processes on this machine (its GPUs; gloo CPU processes without): > 1 starts torchrun.
+    train_processes: int = 1
+    # Data-set rows held out of training (by a hash of data set and row), evaluated every epoch and by eval-draft.
+    val_fraction: float = 0.02
     grad_clip: float = 0.5
     max_len: int = 4096
     checkpoint_every: int = 200
     init_lm_head: bool = True  # the draft's LM head and final norm start as the target's (draft-vocab rows)
     # The trainer's run lock: renewed in the background while training, so a trainer that dies frees its run this
     # long after it died (a redelivered training task then takes over from the checkpoint).
-    train_lock_s: int = 120
+    train_lock_s: int = 60
     seed: int = 0
 
     # --- metrics ---

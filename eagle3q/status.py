@@ -107,10 +107,16 @@ def render(snap: dict) -> Group:
         line = f"training: {tr.get('state', '?')} step {tr.get('step', 0)}/{tr.get('total_steps', '?')}"
         if "loss" in tr:
             line += f" loss {float(tr['loss']):.4f}"
+        if "epoch" in tr:
+            line += f" epoch {tr['epoch']}"
         if "acc" in tr:
             line += f" acc@ttt {tr['acc']}"
+        if tr.get("val_acc") not in (None, "", "[]"):
+            line += f" | held-out acc@ttt {tr['val_acc']} prefix {tr.get('val_prefix_acc', '')}"
         if "acceptance" in tr:
-            line += f" | mean acceptance length {tr['acceptance']}"
+            line += f" | mean acceptance length at k=5 {tr['acceptance']}"
+            if "bigram" in tr:
+                line += f" (bigram table {tr['bigram']})"
         if tr.get("state") == "failed":
             line = f"[red]{line}: {tr.get('error', '')} (see the trainer log; `eagle3q train` reruns it)[/red]"
         extra.append(line)

@@ -37,7 +37,8 @@ def hidden_run(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
     for i in range(5):
         ids = list(range(3 + i, 23 + 3 * i))
         write_hidden(store.hidden_path("r", f"{i:032x}"), ids, [0] * 6 + [1] * (len(ids) - 6),
-                     ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state})
+                     ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state,
+                                            "dataset": "d", "row": i})
     return store
 
 

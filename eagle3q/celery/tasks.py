@@ -190,9 +190,10 @@ def train(self: Task, payload: dict, sig: str | None = None) -> str:
     try:
         result = train_run(ref.run, s, Store(s.store_dir), ledger)
     except TrainingBusy as e:
-        # A duplicate delivery while another trainer works on the run: come back later (the lease tells whether the
-        # other one is still alive), never train twice at once.
-        wait_s = max(1, min(60, s.train_lock_s))
+        # A duplicate delivery while another trainer works on the run: come back in a few seconds (the lease tells
+        # whether the other one is still alive; a dead one's run is taken over seconds after its lease ends), never
+        # train twice at once.
+        wait_s = max(1, min(5, s.train_lock_s))
         log.info("%s; retrying in %d s", e, wait_s)
         raise self.retry(countdown=wait_s, exc=e) from None
     except Exception as e:

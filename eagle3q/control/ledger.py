@@ -240,6 +240,11 @@ class Ledger:
     def train_fired(self, run: str) -> bool:
         return bool(self._r.exists(keys.train_fired(run)))
 
+    def train_fired_at(self, run: str) -> float | None:
+        """When the trigger fired (the ledger's clock), or None."""
+        v = self._r.get(keys.train_fired(run))
+        return float(v) if v is not None else None
+
     def set_train_progress(self, run: str, **fields: str | int | float) -> None:
         self._r.hset(keys.train_progress(run), mapping={k: str(v) for k, v in fields.items()})
 

@@ -2,12 +2,16 @@
 
 Each round the draft proposes k tokens after the last verified one; the target checks them in one forward pass and
 keeps the longest matching prefix plus its own next token. Acceptance length = accepted drafts + 1 (the bonus token),
-so 1.0 means the draft never helps and k+1 is perfect.
+so 1.0 means the draft never helps and k+1 is perfect (the ceiling: the target as its own draft).
+
+Baselines in the same loop: a bigram table (no network: each token -> the token that follows it most often in the
+run's training samples), which any draft that uses the target's hidden states must beat, and an untrained draft.
+Prompts are held out: the prompt part of the run's validation samples (`eagle3q.eagle3.manifest`), never trained on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -48,10 +52,53 @@ def propose(draft: Eagle3Draft, d2t_full: torch.Tensor, seq: list[int], aux: tor
     return out
 
 
-@torch.no_grad()
-def acceptance_length(target: TargetRunner, draft: Eagle3Draft, d2t: torch.Tensor, prompts: list[list[int]],
-                      k: int, max_new: int = 48) -> float:
+Proposer = Callable[[list[int], torch.Tensor, int], list[int]]  # (sequence, its aux states, k) -> k tokens
+
+
+def draft_proposer(draft: Eagle3Draft, d2t: torch.Tensor) -> Proposer:
     d2t_full = d2t + torch.arange(d2t.numel())
+    return lambda seq, aux, k: propose(draft, d2t_full, seq, aux, k)
+
+
+@dataclass
+class Bigram:
+    """token -> the token that most often follows it in the training samples' generated text."""
+
+    table: dict[int, int]
+    fallback: int
+
+    @classmethod
+    def from_files(cls, paths: Sequence[Path]) -> Bigram:
+        from collections import Counter
+
+        from safetensors import safe_open
+
+        pairs: Counter[tuple[int, int]] = Counter()
+        unigrams: Counter[int] = Counter()
+        for p in paths:
+            with safe_open(str(p), framework="pt") as f:
+                ids, mask = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
+            for t in range(1, len(ids)):
+                if mask[t]:
+                    pairs[(ids[t - 1], ids[t])] += 1
+                    unigrams[ids[t]] += 1
+        best: dict[int, tuple[int, int]] = {}
+        for (a, b), n in sorted(pairs.items()):
+            if a not in best or n > best[a][1]:
+                best[a] = (b, n)
+        return cls({a: b for a, (b, _) in best.items()}, unigrams.most_common(1)[0][0] if unigrams else 0)
+
+    def __call__(self, seq: list[int], aux: torch.Tensor, k: int) -> list[int]:
+        out, tok = [], seq[-1]
+        for _ in range(k):
+            tok = self.table.get(tok, self.fallback)
+            out.append(tok)
+        return out
+
+
+@torch.no_grad()
+def acceptance_length(target: TargetRunner, proposer: Proposer, prompts: list[list[int]], k: int,
+                      max_new: int = 48) -> float:
     lengths: list[int] = []
     for prompt in prompts:
         seq = list(prompt)
@@ -59,7 +106,7 @@ def acceptance_length(target: TargetRunner, draft: Eagle3Draft, d2t: torch.Tenso
         seq.append(int(logits[-1].argmax()))
         produced = 1
         while produced < max_new:
-            drafts = propose(draft, d2t_full, seq, aux, k)
+            drafts = proposer(seq, aux, k)
             logits, aux_all = target(seq + drafts)
             base = len(seq) - 1  # logits at `base` predict the token after seq
             accepted = 0
@@ -106,6 +153,39 @@ def _target(target_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
     return model, load_target_tensors(target_dir)
 
 
+def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001 - an eagle3q.store.Store
+    """The prompt tokens of up to n of the run's validation samples (rows never trained on), as the server
+    tokenized them."""
+    import json
+
+    from eagle3q.eagle3.manifest import NAME, Manifest
+
+    path = store.train_dir(run) / NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"run {run} has no training manifest ({path}): train it first")
+    m = Manifest.from_json(path.read_bytes())
+    out = []
+    for e in m.val[:n]:
+        sample = store.read_sample(run, e.sample_id)
+        out.append(sample.input_ids[: sample.num_prompt_tokens])
+    if not out:
+        raise ValueError(f"run {run} has no held-out samples (EAGLE3Q_VAL_FRACTION was {json.dumps(m.val_fraction)})")
+    return out
+
+
+def bigram_for_run(store, run: str) -> Bigram:  # noqa: ANN001
+    from eagle3q.eagle3.manifest import NAME, Manifest
+
+    m = Manifest.from_json((store.train_dir(run) / NAME).read_bytes())
+    return Bigram.from_files([store.hidden_path(run, e.sample_id) for e in m.train])
+
+
+def evaluate_proposer(target_dir: str, proposer: Proposer, aux_ids: list[int], prompts: list[list[int]],
+                      ks: Sequence[int] = (1, 2, 3, 4, 5), max_new: int = 64) -> dict[int, float]:
+    runner = TargetRunner(_target(target_dir)[0], aux_ids)
+    return {k: round(acceptance_length(runner, proposer, prompts, k, max_new), 3) for k in ks}
+
+
 def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], ks: Sequence[int] = (1, 2, 3, 4, 5),
              max_new: int = 48, untrained_seed: int | None = None, draft_vocab_size: int = 32000) -> dict[int, float]:
     """Mean acceptance length per k for an exported draft, or (export_dir None) an untrained one as the baseline."""
@@ -126,5 +206,31 @@ def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], 
         draft = Eagle3Draft(dc, tensors["embed"]).eval()
         d2t = torch.zeros(dc.draft_vocab_size, dtype=torch.long)
         aux_ids = default_aux_ids(int(tcfg["num_hidden_layers"]))
-    runner = TargetRunner(model, aux_ids)
-    return {k: round(acceptance_length(runner, draft, d2t, prompts, k, max_new), 3) for k in ks}
+    return evaluate_proposer(target_dir, draft_proposer(draft, d2t), aux_ids, prompts, ks, max_new)
+
+
+def acceptance_table(target_dir: str, export_dir: str, prompts: list[list[int]], store, run: str,  # noqa: ANN001
+                     ks: Sequence[int] = (1, 2, 3, 4, 5), max_new: int = 64, draft_vocab_size: int = 32000,
+                     untrained: bool = False) -> dict[str, dict[int, float]]:
+    """The trained draft, the run's bigram table (and an untrained draft) and the ceiling, on the same prompts."""
+    from eagle3q.eagle3.export import load_exported
+
+    tensors = _target(target_dir)[1]
+    draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
+    aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    table = {
+        "trained": evaluate_proposer(target_dir, draft_proposer(draft, d2t), aux_ids, prompts, ks, max_new),
+        "bigram": evaluate_proposer(target_dir, bigram_for_run(store, run), aux_ids, prompts, ks, max_new),
+    }
+    if untrained:
+        table["untrained"] = evaluate(target_dir, None, prompts, ks, max_new, draft_vocab_size=draft_vocab_size)
+    table["ceiling"] = {k: float(k + 1) for k in ks}
+    return table
+
+
+def format_table(table: dict[str, dict[int, float]]) -> str:
+    cols = list(table)
+    lines = ["k  " + "  ".join(f"{c:>9}" for c in cols)]
+    for k in table[cols[0]]:
+        lines.append(f"{k}  " + "  ".join(f"{table[c][k]:9.3f}" for c in cols))
+    return "\n".join(lines)

@@ -1,11 +1,19 @@
-"""EAGLE-3 draft training from stored hidden states: the training-time test (TTT) loss, the LR schedule and the
-loop that turns a list of hidden-state files into an exported draft. No Redis, no Celery: `eagle3q.stages.train`
-holds the run lock, the idempotence and the progress reports, and calls `train_draft`.
+"""EAGLE-3 draft training from stored hidden states: the training-time test (TTT) loss, the schedule, and the loop
+that turns a run's manifest (`eagle3q.eagle3.manifest`) into an exported draft. No Redis, no Celery:
+`eagle3q.stages.train` holds the run lock, the idempotence and the progress reports, and calls `train_draft`.
 
-- Streaming: the file list is read up front (names only); each sample is loaded when its turn comes.
+- Batches: each epoch the training samples are shuffled (seeded by the epoch) and packed into batches of at most
+  `train_batch_tokens` tokens (a longer sample goes alone). One optimizer step per batch; each sample's backward
+  accumulates into it (gradient accumulation), scaled so the loss is token-weighted over the whole batch, not a mean
+  of per-sample means.
 - Loss: soft cross-entropy against the target's distribution restricted to the draft vocabulary, per TTT step k,
-  weighted 0.8**k. The target's logits are computed from the stored final state with the target's LM head rows of
-  the draft vocabulary only (no 160k-wide softmax).
+  weighted 0.8**k. Positions count where the token fed to the draft is generated (speculators' convention) and the
+  target's top token is in the draft vocabulary (SpecForge/EAGLE mask the others: the draft cannot propose them).
+- Metrics per epoch, on the training batches and on the held-out rows: pooled per-step top-1 accuracy and prefix
+  accuracy (right at this step and every step before), in the log, the progress report, `result.json` and
+  TensorBoard (`<train dir>/tensorboard`, when the tensorboard package is installed).
+- Resume: the schedule follows from the manifest, the seed and the step, so a resumed trainer continues the same
+  batches in the same order; the checkpoint carries the epoch's running metrics.
 """
 
 from __future__ import annotations
@@ -23,12 +31,15 @@ import torch
 
 from eagle3q.config import Settings
 from eagle3q.eagle3.checkpoint import load_checkpoint, save_checkpoint
+from eagle3q.eagle3.distributed import all_reduce_floats, all_reduce_grads, rank_and_world
+from eagle3q.eagle3.manifest import Entry, Manifest
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_vocab
 
 log = logging.getLogger("eagle3q.train")
 Progress = Callable[..., None]  # progress(state=..., step=..., ...): reported to the ledger by the stage
+STEP_DECAY = 0.8
 
 
 @dataclass
@@ -42,10 +53,16 @@ class TrainResult:
     skipped: bool = False
     vocab_coverage: float = 0.0
     history: list[float] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)  # per epoch: train and validation loss / acc / prefix_acc
+    samples: int = 0
+    val_samples: int = 0
 
     def summary(self) -> str:
-        return (f"run {self.run}: {self.steps} steps, loss {self.final_loss:.4f}, acc/step "
-                f"{[round(a, 3) for a in self.acc]}, export {self.export_dir}")
+        last = self.epochs[-1] if self.epochs else {}
+        val = last.get("val") or {}
+        return (f"run {self.run}: {self.steps} steps over {self.samples} samples, loss {self.final_loss:.4f}, "
+                f"acc/step {[round(a, 3) for a in self.acc]}"
+                + (f", held-out acc/step {val.get('acc')}" if val else "") + f", export {self.export_dir}")
 
 
 @dataclass
@@ -69,21 +86,40 @@ def load_batch(path: Path, max_len: int) -> Batch:
                  t["hidden_state"][:n].float(), final_state == "post_norm")
 
 
+def loss_positions(path: Path, max_len: int) -> int:
+    """Positions of a sample that count at step 0 (generated input tokens), read without its hidden states."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        mask = f.get_tensor("loss_mask")[:max_len]
+    return int(mask[1:].sum())
+
+
 class TargetHead:
-    """The target's LM head restricted to the draft vocabulary (+ its final norm for pre-norm states)."""
+    """The target's LM head (+ its final norm for pre-norm states): its distribution over the draft vocabulary and,
+    per position, whether its top token over the whole vocabulary is in the draft vocabulary."""
+
+    CHUNK = 16384  # vocabulary rows per matmul when looking for the full-vocabulary maximum
 
     def __init__(self, tensors: dict[str, torch.Tensor], t2d: torch.Tensor, eps: float):
-        self.w = tensors["lm_head"][t2d]  # [N, H]
+        self.full = tensors["lm_head"]  # [V, H]
+        self.w = self.full[t2d]  # [N, H]
         self.norm = tensors.get("norm")
         self.eps = eps
 
-    def probs(self, b: Batch) -> torch.Tensor:
+    def __call__(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = b.final
         if not b.final_is_normed:
             if self.norm is None:
                 raise ValueError("pre-norm final states need the target's final norm weight")
             h = final_norm(h, self.norm, self.eps)
-        return torch.softmax(h @ self.w.T, -1)
+        logits = h @ self.w.T
+        best = torch.full((h.shape[0],), -math.inf)
+        for i in range(0, self.full.shape[0], self.CHUNK):
+            best = torch.maximum(best, (h @ self.full[i:i + self.CHUNK].T).max(-1).values)
+        draft_best = logits.max(-1).values
+        in_vocab = draft_best >= best - 1e-5 * best.abs().clamp(min=1.0)
+        return torch.softmax(logits, -1), in_vocab
 
 
 def _shift(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
@@ -94,33 +130,74 @@ def _shift(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[k:], pad], 0)
 
 
-def ttt_loss(model: Eagle3Draft, b: Batch, target_p: torch.Tensor, steps: int) -> tuple[torch.Tensor, list, list]:
-    """Sum over k of 0.8**k x masked soft CE; also per-step loss and top-1 accuracy against the target."""
+@dataclass
+class StepStats:
+    """Per TTT step: masked loss sum, positions, top-1 hits, hits with every earlier step right too."""
+
+    loss: list[float]
+    count: list[float]
+    correct: list[float]
+    prefix: list[float]
+
+    @classmethod
+    def zeros(cls, steps: int) -> StepStats:
+        return cls([0.0] * steps, [0.0] * steps, [0.0] * steps, [0.0] * steps)
+
+    def add(self, other: StepStats) -> None:
+        for mine, theirs in ((self.loss, other.loss), (self.count, other.count), (self.correct, other.correct),
+                             (self.prefix, other.prefix)):
+            for k, v in enumerate(theirs):
+                mine[k] += v
+
+    def reduced(self) -> StepStats:
+        """Summed over the data-parallel ranks (itself with one process)."""
+        n = len(self.loss)
+        r = all_reduce_floats(self.loss + self.count + self.correct + self.prefix)
+        return StepStats(r[:n], r[n:2 * n], r[2 * n:3 * n], r[3 * n:])
+
+    def summary(self) -> dict:
+        def ratio(xs: list[float]) -> list[float]:
+            return [round(x / c, 4) if c else 0.0 for x, c in zip(xs, self.count, strict=True)]
+
+        weights = [STEP_DECAY**k for k in range(len(self.loss))]
+        loss = sum(w * lk / c for w, lk, c in zip(weights, self.loss, self.count, strict=True) if c)
+        return {"loss": round(loss, 4), "acc": ratio(self.correct), "prefix_acc": ratio(self.prefix),
+                "positions": int(self.count[0]) if self.count else 0}
+
+
+def ttt_loss(model: Eagle3Draft, b: Batch, target_p: torch.Tensor, in_vocab: torch.Tensor,
+             steps: int) -> tuple[torch.Tensor, StepStats]:
+    """Sum over TTT steps k of 0.8**k x the masked soft-CE *sum* (the caller divides by the batch's positions), and
+    the step statistics. Row t starts from the target's state at t and the known next token x[t+1]; at step k it
+    is fed x[t+1+k] and predicts x[t+2+k], whose target distribution comes from the target's state at t+1+k."""
     T = b.input_ids.numel()
-    rows = T - 1  # row t starts from the target's state at t and the known next token x[t+1]
+    rows = T - 1
     pos = torch.arange(rows)
     h = model.fc(b.aux[:rows]).unsqueeze(0)
     cache: list = []
     total = torch.zeros(())
-    losses, accs = [], []
+    stats = StepStats.zeros(steps)
+    prev_right = torch.ones(rows, dtype=torch.bool)
+    # Counted where the input token is generated and the target's choice is one the draft can make.
+    gate = (b.loss_mask[1:] > 0) & in_vocab[1:]
     for k in range(steps):
         tokens = _shift(b.input_ids[1:], k).unsqueeze(0)  # x[t+1+k]
         logits, h = model.step(tokens, h, pos + k, cache)
-        p = _shift(target_p[1:], k)  # target distribution at t+1+k (predicts x[t+2+k])
-        # Trained where the input token x[t+1+k] is generated: at inference the draft starts from the target's
-        # state at the last accepted token and the token the target sampled, so it never predicts the first
-        # generated token from inside the prompt. The convention of speculators' trainer (mask on the input token).
-        mask = _shift(b.loss_mask[1:], k)
+        p = _shift(target_p[1:], k)  # target distribution at t+1+k
+        mask = _shift(gate, k, fill=False)
         logp = torch.log_softmax(logits[0].float(), -1)
         ce = -(p * logp).sum(-1)
-        denom = mask.sum().clamp(min=1)
-        loss_k = (ce * mask).sum() / denom
-        total = total + (0.8**k) * loss_k
+        m = mask.float()
+        loss_k = (ce * m).sum()
+        total = total + (STEP_DECAY**k) * loss_k
         with torch.no_grad():
-            acc = ((logits[0].argmax(-1) == p.argmax(-1)).float() * mask).sum() / denom
-        losses.append(float(loss_k.detach()))
-        accs.append(float(acc))
-    return total, losses, accs
+            right = logits[0].argmax(-1) == p.argmax(-1)
+            prev_right = prev_right & right
+            stats.loss[k] = float(loss_k.detach())
+            stats.count[k] = float(m.sum())
+            stats.correct[k] = float((right & mask).sum())
+            stats.prefix[k] = float((prev_right & mask).sum())
+    return total, stats
 
 
 def lr_lambda(step: int, total: int, warmup: int) -> float:
@@ -130,10 +207,24 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(n))
+def plan_epoch(entries: tuple[Entry, ...], budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's batches: indices into `entries`, shuffled by (seed, epoch), packed in order up to `budget`
+    tokens (a sample longer than the budget is a batch of its own)."""
+    order = list(range(len(entries)))
     random.Random(seed * 1000 + epoch).shuffle(order)
-    return order
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = entries[i].tokens
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def init_head_from_target(model: Eagle3Draft, tensors: dict[str, torch.Tensor], t2d: torch.Tensor) -> None:
@@ -154,69 +245,167 @@ def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, 
     return Eagle3Draft(cfg, tensors["embed"]), cfg, tensors
 
 
-def train_draft(files: list[Path], s: Settings, out: Path, target_dir: str, progress: Progress,
-                log_every: int = 10, run: str = "") -> TrainResult:
-    """Vocab mapping, then training (resuming from `out`'s checkpoint), then the export under `out/export`."""
+def _tensorboard(out: Path):  # noqa: ANN202 - a SummaryWriter, or None without the tensorboard package
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed: no curves written (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+@torch.no_grad()
+def evaluate_files(model: Eagle3Draft, head: TargetHead, paths: list[Path], s: Settings) -> StepStats:
+    """The step statistics over `paths` (shared out between data-parallel ranks, summed)."""
+    was_training = model.training
+    model.eval()
+    stats = StepStats.zeros(s.ttt_steps)
+    rank, world = rank_and_world()
+    for path in paths[rank::world]:
+        b = load_batch(path, s.max_len)
+        if b.input_ids.numel() < 3:
+            continue
+        target_p, in_vocab = head(b)
+        stats.add(ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)[1])
+    model.train(was_training)
+    return stats.reduced()
+
+
+def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Path, target_dir: str,
+                progress: Progress, log_every: int = 10) -> TrainResult:
+    """Vocab mapping (from the training split), then training (resuming from `out`'s checkpoint), then the export
+    under `out/export`. `paths`: sample id -> hidden-state file. Under torchrun (`eagle3q.eagle3.distributed`)
+    each rank runs its share of every batch and rank 0 alone writes and reports."""
+    run = manifest.run
+    rank, world = rank_and_world()
+    main = rank == 0
+    if not main:
+        progress = _quiet
     export_dir = out / "export"
-    if not files:
+    train, val = manifest.train, manifest.val
+    if not train:
         raise RuntimeError(f"run {run} has no hidden-state files to train on")
-    progress(state="vocab", step=0, total_steps=s.epochs * len(files))
+    plans = [plan_epoch(train, s.train_batch_tokens, s.seed, e) for e in range(s.epochs)]
+    total = sum(len(p) for p in plans)
+    progress(state="vocab", step=0, total_steps=total)
     model, cfg, tensors = make_model(s, target_dir)
-    d2t, t2d, cov = build_vocab(files, cfg.vocab_size, cfg.draft_vocab_size, out / "vocab.safetensors")
-    log.info("run %s: %d files, draft vocab %d covers %.1f%% of loss tokens", run, len(files), d2t.numel(), 100 * cov)
+    train_paths = [paths[e.sample_id] for e in train]
+    if world > 1 and not main:
+        _barrier()  # rank 0 builds the vocab file, the others read it
+    d2t, t2d, cov = build_vocab(train_paths, cfg.vocab_size, cfg.draft_vocab_size, out / "vocab.safetensors")
+    if world > 1 and main:
+        _barrier()
+    log.info("run %s: %d training samples, %d held out; %d steps over %d epochs; draft vocab %d covers %.1f%% of "
+             "loss tokens", run, len(train), len(val), total, s.epochs, d2t.numel(), 100 * cov)
     head = TargetHead(tensors, t2d, cfg.rms_norm_eps)
     if s.init_lm_head:
         init_head_from_target(model, tensors, t2d)  # a checkpoint, if there is one, overwrites it below
-    meta0 = json.loads((load_meta(files[0])).get("aux_layer_ids", "null")) or []
+    meta0 = json.loads(load_meta(train_paths[0]).get("aux_layer_ids", "null")) or []
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
-    total = s.epochs * len(files)
     warmup = max(1, int(s.warmup_ratio * total))
     ckpt = out / "checkpoint.safetensors"
-    step, resumed = 0, 0
+    step = resumed = 0
+    epochs: list[dict] = []
+    running = StepStats.zeros(s.ttt_steps)
     if ckpt.is_file():
         state = load_checkpoint(ckpt, model, opt)
         step = resumed = int(state["step"])
+        epochs = state.get("epochs", [])
+        if "running" in state:
+            running = StepStats(**state["running"])
         log.info("run %s: resumed from step %d", run, step)
+    tb = _tensorboard(out) if main else None
+    val_paths = [paths[e.sample_id] for e in val]
 
     history: list[float] = []
     accs: list[float] = []
     t0 = time.monotonic()
     model.train()
+    starts = [sum(len(p) for p in plans[:e]) for e in range(s.epochs)]
     while step < total:
-        epoch, pos = divmod(step, len(files))
-        path = files[epoch_order(len(files), s.seed, epoch)[pos]]
-        b = load_batch(path, s.max_len)
-        if b.input_ids.numel() < 3:
-            step += 1
-            continue
-        with torch.no_grad():
-            target_p = head.probs(b)
-        loss, losses, accs = ttt_loss(model, b, target_p, s.ttt_steps)
+        epoch = max(e for e in range(s.epochs) if starts[e] <= step)
+        batch = [train[i] for i in plans[epoch][step - starts[epoch]]]
+        denom = sum(loss_positions(paths[e.sample_id], s.max_len) for e in batch) or 1
         lr = s.lr * lr_lambda(step, total, warmup)  # cosine with warmup, derived from the step: resumes exactly
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        stats = StepStats.zeros(s.ttt_steps)
+        for e in batch[rank::world]:
+            b = load_batch(paths[e.sample_id], s.max_len)
+            if b.input_ids.numel() < 3:
+                continue
+            with torch.no_grad():
+                target_p, in_vocab = head(b)
+            loss, st = ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)
+            (loss / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
+            stats.add(st)
+        all_reduce_grads(params)  # the sum over ranks: the gradient one process would get on the whole batch
+        stats = stats.reduced()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
         step += 1
-        history.append(float(loss.detach()))
-        if step % log_every == 0 or step == total:
-            log.info("step %d/%d loss %.4f per-step %s acc %s lr %.2e", step, total, history[-1],
-                     [round(x, 3) for x in losses], [round(a, 3) for a in accs], lr)
-            progress(state="training", step=step, total_steps=total, loss=history[-1],
-                     acc=[round(a, 3) for a in accs], loss_per_step=[round(x, 3) for x in losses],
-                     steps_per_s=round((step - resumed) / max(time.monotonic() - t0, 1e-6), 2))
-        if step % s.checkpoint_every == 0 and step < total:
-            save_checkpoint(ckpt, model, opt, {"step": step})
+        running.add(stats)
+        summary = stats.summary()
+        history.append(summary["loss"])
+        accs = summary["acc"]
+        if tb is not None:
+            tb.add_scalar("train/loss", summary["loss"], step)
+            tb.add_scalar("train/lr", lr, step)
+        if main and (step % log_every == 0 or step == total):
+            log.info("step %d/%d loss %.4f acc %s prefix %s lr %.2e", step, total, summary["loss"], summary["acc"],
+                     summary["prefix_acc"], lr)
+            progress(state="training", step=step, total_steps=total, loss=summary["loss"], acc=summary["acc"],
+                     epoch=epoch + 1, steps_per_s=round((step - resumed) / max(time.monotonic() - t0, 1e-6), 2))
+        if step == starts[epoch] + len(plans[epoch]):  # the epoch's last batch: its metrics, then validation
+            record = {"epoch": epoch + 1, "train": running.summary(),
+                      "val": evaluate_files(model, head, val_paths, s).summary() if val_paths else None}
+            epochs.append(record)
+            running = StepStats.zeros(s.ttt_steps)
+            if main:
+                _report_epoch(record, progress, tb)
+        if main and step % s.checkpoint_every == 0 and step < total:
+            save_checkpoint(ckpt, model, opt, {"step": step, "epochs": epochs, "running": running.__dict__})
+    if tb is not None:
+        tb.close()
 
     from eagle3q.eagle3.export import export_draft
 
-    export_draft(export_dir, model, cfg, d2t, t2d, meta0)
+    if main:
+        export_draft(export_dir, model, cfg, d2t, t2d, meta0)
     return TrainResult(run=run, steps=step, final_loss=history[-1] if history else float("nan"), acc=accs,
-                       export_dir=str(export_dir), resumed_from=resumed, vocab_coverage=cov, history=history[-50:])
+                       export_dir=str(export_dir), resumed_from=resumed, vocab_coverage=cov, history=history[-50:],
+                       epochs=epochs, samples=len(train), val_samples=len(val))
+
+
+def _report_epoch(record: dict, progress: Progress, tb) -> None:  # noqa: ANN001 - tb: a SummaryWriter or None
+    epoch, train, val = record["epoch"], record["train"], record["val"] or {}
+    log.info("epoch %d: train acc %s prefix %s | held-out acc %s prefix %s", epoch, train["acc"],
+             train["prefix_acc"], val.get("acc"), val.get("prefix_acc"))
+    progress(epoch=epoch, train_acc=train["acc"], train_prefix_acc=train["prefix_acc"], val_acc=val.get("acc", []),
+             val_prefix_acc=val.get("prefix_acc", []))
+    if tb is None:
+        return
+    for split, stats in (("train", train), ("val", val)):
+        if not stats:
+            continue
+        for k, (a, pa) in enumerate(zip(stats["acc"], stats["prefix_acc"], strict=True)):
+            tb.add_scalar(f"{split}/acc_step{k}", a, epoch)
+            tb.add_scalar(f"{split}/prefix_acc_step{k}", pa, epoch)
+        tb.add_scalar(f"{split}/epoch_loss", stats["loss"], epoch)
+    tb.flush()
+
+
+def _quiet(**_: object) -> None:
+    """The progress report of ranks other than 0."""
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def load_meta(path: Path) -> dict:

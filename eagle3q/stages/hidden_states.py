@@ -37,8 +37,9 @@ def _reject(ctx: HiddenContext, run: str, sid: str, reason: str, detail: str) ->
 
 def _meta(ctx: HiddenContext, sample: Sample) -> dict:
     ex = ctx.extractor
-    return {"sample_id": sample.sample_id, "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers,
-            "hidden_size": ex.hidden_size, "final_state": ex.final_state, "backend": ex.backend}
+    return {"sample_id": sample.sample_id, "dataset": sample.dataset, "row": sample.row,
+            "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers, "hidden_size": ex.hidden_size,
+            "final_state": ex.final_state, "backend": ex.backend}
 
 
 def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:

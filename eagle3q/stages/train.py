@@ -12,6 +12,7 @@ import json
 from eagle3q.config import Settings
 from eagle3q.control.ledger import Ledger
 from eagle3q.control.locks import RunLock, TrainingBusy
+from eagle3q.eagle3.manifest import load_or_create
 from eagle3q.eagle3.training import TrainResult, train_draft
 from eagle3q.store import Store
 
@@ -35,8 +36,18 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
                 ledger.set_train_progress(run, **{k: (json.dumps(v) if isinstance(v, list) else v)
                                                   for k, v in kw.items()})
 
-        result = train_draft(store.hidden_files(run), s, out, target_dir or s.target_model, progress,
-                             log_every, run=run)
+        # Frozen by the first trainer: a resumed one continues the same files, split, order and vocab.
+        manifest = load_or_create(store, run, s.val_fraction)
+        paths = {e.sample_id: store.hidden_path(run, e.sample_id) for e in (*manifest.train, *manifest.val)}
+        if s.train_processes > 1:  # torchrun ranks; this process keeps the lock renewed meanwhile
+            from eagle3q.eagle3.distributed import launch, settings_env
+
+            env = {**settings_env(s), "EAGLE3Q_STORE_DIR": str(store.root),
+                   "EAGLE3Q_TARGET_MODEL": target_dir or s.target_model, "EAGLE3Q_TRAIN_PROCESSES": "1",
+                   "EAGLE3Q_DDP_REPORT": "1" if ledger is not None else "0"}
+            result = TrainResult(**launch(run, out, s.train_processes, env))
+        else:
+            result = train_draft(manifest, paths, s, out, target_dir or s.target_model, progress, log_every)
         store.write_json(done_file, {k: v for k, v in result.__dict__.items() if k != "skipped"})
         progress(state="done", step=result.steps, total_steps=result.steps, loss=result.final_loss)
         return result

@@ -10,7 +10,9 @@ from eagle3q.eagle3.extract import file_is_valid
 
 
 def test_pipeline_to_trained_draft(stack_factory):  # noqa: ANN001
-    stack = stack_factory(env={"EAGLE3Q_EPOCHS": "1", "EAGLE3Q_LR": "3e-3", "EAGLE3Q_TOKEN_BUDGET": "2048"})
+    # One sample per training step, nothing held out: the step count is the number of samples trained on.
+    stack = stack_factory(env={"EAGLE3Q_EPOCHS": "1", "EAGLE3Q_LR": "3e-3", "EAGLE3Q_TOKEN_BUDGET": "2048",
+                               "EAGLE3Q_TRAIN_BATCH_TOKENS": "1", "EAGLE3Q_VAL_FRACTION": "0"})
     stack.worker("inference", concurrency=8)
     stack.worker("hidden_states")
     stack.worker("hidden_states")  # two GPU workers finishing at once

@@ -81,7 +81,9 @@ def test_redis_restart_mid_run(stack_factory, assert_accounted, sig):  # noqa: A
 def test_sigkill_trainer_mid_training_resumes_and_trains_once(stack_factory):  # noqa: ANN001
     import json
 
+    # One sample per step and nothing held out: 8 x 30 steps, long enough to kill the trainer in the middle.
     stack = stack_factory(env={"EAGLE3Q_EPOCHS": "8", "EAGLE3Q_CHECKPOINT_EVERY": "10", "EAGLE3Q_LR": "3e-3",
+                               "EAGLE3Q_TRAIN_BATCH_TOKENS": "1", "EAGLE3Q_VAL_FRACTION": "0",
                                "EAGLE3Q_VISIBILITY_TIMEOUT_S": "4", "EAGLE3Q_RESTORE_SWEEP_S": "1",
                                "EAGLE3Q_TRAIN_LOCK_S": "3"})
     stack.worker("inference", concurrency=8)
