@@ -22,11 +22,11 @@ from eagle3q.store import Store
 
 
 def _hidden_run(base: Path, n: int) -> tuple[Store, str]:
-    """n samples of 200-600 tokens with the target's hidden states (Llama H=256 x 6 layers, vocab 8000)."""
+    """n samples of 200-600 tokens with the target's hidden states (Llama H=256 x 8 layers, vocab 8000)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+    cfg = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     LlamaForCausalLM(cfg).save_pretrained(base / "target")
     ex = TransformersExtractor(str(base / "target"), None, "cpu", "float32")
@@ -108,7 +108,7 @@ def main() -> dict:
     base = workdir("training")
     t = throughput(base)
     seconds, steps = trigger_to_export(base)
-    report("draft training: Llama target H=256 x 6 layers, 32 samples of 200-600 tokens, 4096-token batches", [
+    report("draft training: Llama target H=256 x 8 layers, 32 samples of 200-600 tokens, 4096-token batches", [
         ("bare forward + backward + step (inputs in memory)", f"{t['bare']:.0f} tokens/s"),
         ("eagle3q train_draft (files, target head, OOV mask, metrics, export)", f"{t['ours']:.0f} tokens/s"),
         ("ratio", f"{t['ratio']:.3f}  (goal >= 0.9)"),
