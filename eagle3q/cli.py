@@ -136,6 +136,9 @@ def sim(
     reasoning_content: bool = typer.Option(False, help="also send the old `reasoning_content` field"),
     hang_s: float = typer.Option(3600.0, help="how long a 'timeout' fault holds the request"),
     target_model: str = typer.Option("", help="generate greedily with this local model (needs torch)"),
+    hs_dir: str = typer.Option("", help="extract_hidden_states mode: the connector's directory (needs the target)"),
+    hs_layer_ids: str = typer.Option("", help="layer ids the connector writes, vLLM convention, last = L "
+                                              "(default: 2,L//2,L-3,L)"),
 ) -> None:
     """Run the vLLM-compatible simulator."""
     from eagle3q.sim.server import SimConfig, parse_faults, serve
@@ -143,7 +146,8 @@ def sim(
     cfg = SimConfig(tokenizer=tokenizer, profile=profile, model=model, ttft_s=ttft, itl_s=itl,
                     max_num_seqs=max_num_seqs, mean_output_tokens=mean_output_tokens, max_model_len=max_model_len,
                     faults=parse_faults(faults), seed=seed, expose_reasoning_content=reasoning_content, hang_s=hang_s,
-                    target_model=target_model)
+                    target_model=target_model, hs_dir=hs_dir,
+                    hs_layer_ids=[int(x) for x in hs_layer_ids.split(",") if x.strip()])
     typer.echo(f"simulator on http://{host}:{port}/v1 serving {model} ({profile})")
     serve(cfg, host, port)
 

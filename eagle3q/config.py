@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     device: str = "cpu"
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     token_budget: int = 16384  # tokens per forward (padded batch size x longest)
+    # "transformers": the target in this process; "vllm": a vLLM serving it with extract_hidden_states and the
+    # ExampleHiddenStatesConnector (eagle3q.eagle3.vllm_extract), writing to a directory this worker can read.
+    hs_backend: Literal["transformers", "vllm"] = "transformers"
+    hs_vllm_base_url: str = "http://localhost:8001/v1"
+    hs_vllm_concurrency: int = 8  # requests in flight per hidden-state worker
+    hs_vllm_timeout_s: float = 600.0
+    # The connector's shared_storage_path as this machine sees it (only for `status`: its backlog and bytes).
+    hs_connector_dir: str = ""
 
     # --- training ---
     train_target: int = 0  # samples with hidden states that trigger training; 0 = all accepted once the run drains

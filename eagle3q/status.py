@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.table import Table
 
+from eagle3q.config import get_settings
 from eagle3q.contract import INFERENCE
 from eagle3q.control.ledger import STAGES, Ledger, StageCounts
 
@@ -32,13 +34,23 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
+def connector_backlog(directory: str) -> dict | None:
+    """Files the extraction vLLM's connector wrote and no worker has read yet (EAGLE3Q_HS_CONNECTOR_DIR)."""
+    if not directory:
+        return None
+    root = Path(directory)
+    files = list(root.glob("*.safetensors")) if root.is_dir() else []
+    return {"dir": directory, "files": len(files), "bytes": sum(p.stat().st_size for p in files if p.exists())}
+
+
 def snapshot(ledger: Ledger, run: str) -> dict:
     """Everything `status` shows, as plain data (also what `status --json` prints)."""
     stages = {s: ledger.counts(run, s) for s in STAGES}
     meta = ledger.meta(run)
     out: dict = {"run": run, "meta": meta, "stages": {}, "train": ledger.train_progress(run),
                  "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0),
-                 "dead_letters": ledger.dead_letters()}
+                 "dead_letters": ledger.dead_letters(),
+                 "connector": connector_backlog(get_settings().hs_connector_dir)}
     for name, c in stages.items():
         gen_tokens = c.stats.get("completion_tokens", 0)
         tokens = c.stats.get("tokens", 0)
@@ -91,6 +103,9 @@ def render(snap: dict) -> Group:
         extra.append("[red]items on the queues that were not messages, set aside: "
                      + ", ".join(f"{q}={n}" for q, n in sorted(snap["dead_letters"].items()))
                      + " (e3q:dead:<queue>)[/red]")
+    if snap.get("connector") and snap["connector"]["files"]:
+        c = snap["connector"]
+        extra.append(f"extraction connector backlog in {c['dir']}: {c['files']} files, {_fmt_bytes(c['bytes'])}")
     retries = snap["stages"][INFERENCE.name]["retries"]
     if retries:
         extra.append("transient errors retried: " + ", ".join(f"{k}={v}" for k, v in sorted(retries.items())))

@@ -122,7 +122,14 @@ def _hidden_context(app: Celery):  # noqa: ANN202
     s = get_settings()
     if not s.target_model:
         raise RuntimeError("EAGLE3Q_TARGET_MODEL is not set: the hidden-state worker needs the target model")
-    extractor = TransformersExtractor(s.target_model, s.aux_layer_ids, s.device, s.dtype)
+    if s.hs_backend == "vllm":  # the serving engine extracts; this worker needs only the target's config
+        from eagle3q.eagle3.vllm_extract import VllmExtractor
+
+        extractor = VllmExtractor(s.hs_vllm_base_url, s.model, s.target_model, s.aux_layer_ids,
+                                  s.hs_vllm_concurrency, s.hs_vllm_timeout_s,
+                                  s.vllm_api_key.get_secret_value() if s.vllm_api_key else None)
+    else:
+        extractor = TransformersExtractor(s.target_model, s.aux_layer_ids, s.device, s.dtype)
     log.info("target %s loaded: L=%d H=%d aux ids %s (vLLM convention)", s.target_model, extractor.num_layers,
              extractor.hidden_size, extractor.aux_ids)
     return HiddenContext(Store(s.store_dir), Ledger.from_url(s.broker_url()), extractor, s.token_budget,

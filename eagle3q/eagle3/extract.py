@@ -68,6 +68,8 @@ def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 class Extracted:
     aux: object  # torch.Tensor [T, 3H]
     final: object  # torch.Tensor [T, H]
+    reason: str | None = None  # a backend's named rejection of this sample (then no tensors)
+    detail: str = ""
 
 
 class TransformersExtractor:
@@ -133,6 +135,8 @@ class TransformersExtractor:
 
 def check_tensors(input_ids: Sequence[int], ex: Extracted, hidden_size: int, n_aux: int = 3) -> str | None:
     """A named rejection reason, or None when the states are fit to train on."""
+    if ex.reason is not None:
+        return ex.reason
     torch_mod = __import__("torch")
     t = len(input_ids)
     if tuple(ex.aux.shape) != (t, n_aux * hidden_size) or tuple(ex.final.shape) != (t, hidden_size):

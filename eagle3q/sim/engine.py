@@ -36,6 +36,10 @@ class SimConfig:
     # A local transformers model to generate with (greedy), instead of text from the word bank: the samples are then
     # the target's own generations, as when vLLM serves the target (the demo trains a draft on them).
     target_model: str = ""
+    # The extract_hidden_states mode (`eagle3q.sim.hidden_states`): where the connector's files go, and the layer
+    # ids (vLLM convention, the last = L, the final state); empty: /v1/completions without kv_transfer_params.
+    hs_dir: str = ""
+    hs_layer_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -27,6 +27,11 @@ class Simulator:
         self.counters = self.engine.counters
         self.generate = self.engine.generate
         self._prompt_fault = self.engine._prompt_fault
+        self.connector = None
+        if cfg.hs_dir:
+            from eagle3q.sim.hidden_states import ConnectorWriter
+
+            self.connector = ConnectorWriter(cfg.target_model or cfg.tokenizer, cfg.hs_dir, cfg.hs_layer_ids or None)
 
     def _error(self, status: int, message: str, kind: str) -> web.Response:
         body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
@@ -167,6 +172,36 @@ class Simulator:
         await asyncio.sleep(self.cfg.hang_s)  # "timeout": hold the request until the client gives up
         return self._error(504, "gateway timeout (simulated)", "TimeoutError")
 
+    async def completions(self, request: web.Request) -> web.Response:
+        """`/v1/completions` for token-id prompts, `max_tokens=1`: the hidden-state extraction call."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(400, "request body is not JSON", "BadRequestError")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = self.tok.encode(prompt)
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return self._error(400, "prompt must be a string or a non-empty list of token ids", "BadRequestError")
+        if any(t < 0 or t >= self.tok.vocab_size for t in prompt):
+            return self._error(400, "Token id out of vocabulary", "BadRequestError")
+        if len(prompt) + int(body.get("max_tokens") or 16) > self.cfg.max_model_len:
+            return self._error(400, f"This model's maximum context length is {self.cfg.max_model_len} tokens",
+                               "BadRequestError")
+        reply: dict[str, Any] = {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.cfg.model,
+            "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "token_ids": [0], "prompt_logprobs": None,
+                         "prompt_token_ids": prompt if body.get("return_token_ids") else None}],
+            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 1, "completion_tokens": 1},
+        }
+        if self.connector is not None:
+            path = await asyncio.get_running_loop().run_in_executor(None, self.connector.write, prompt)
+            reply["kv_transfer_params"] = {"hidden_states_path": path}
+        self.counters["prompt_tokens"] += len(prompt)
+        return web.json_response(reply)
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "vllm",
@@ -199,6 +234,7 @@ class Simulator:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)

@@ -89,7 +89,7 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
                 except OverflowError:
                     reason = "hs_nonfinite"
             if reason is not None:
-                _reject(ctx, run, s.sample_id, reason, f"{len(s.input_ids)} tokens")
+                _reject(ctx, run, s.sample_id, reason, ex.detail or f"{len(s.input_ids)} tokens")
                 if s.sample_id == ref.sample_id:
                     outcome = f"rejected:{reason}"
                 continue

@@ -34,7 +34,7 @@ def test_every_command_names_something_that_exists():
     cli_commands = {c.name or c.callback.__name__.replace("_", "-") for c in cli_app.registered_commands}
     for name, svc in SERVICES.items():
         cmd = _cmd(svc)
-        if name in ("redis", "vllm"):
+        if svc.get("image", "").startswith(("redis:", "vllm/")):  # the images' own entry points
             continue
         assert cmd, name
         if cmd[0] == "eagle3q":
@@ -50,6 +50,28 @@ def test_every_command_names_something_that_exists():
             assert isinstance(importlib.import_module(module).app, Celery), (name, module)  # what `-A` loads
         else:
             pytest.fail(f"{name}: unexpected command {cmd}")
+
+
+def test_extraction_vllm_and_its_readers():
+    """The gpu-extract profile: a vLLM that extracts (connector into the shared store) and CPU readers of it."""
+    import json
+
+    from eagle3q.eagle3.extract import default_aux_ids
+
+    hs, readers = SERVICES["vllm-hs"], SERVICES["hidden_states_vllm"]
+    cmd = " ".join(_cmd(hs))
+    assert "--no-enable-prefix-caching" in cmd and "ExampleHiddenStatesConnector" in cmd
+    spec = json.loads(cmd.split("--speculative-config '")[1].split("'")[0].replace(
+        "${HS_LAYER_IDS:-[2,30,58,61]}", "[2,30,58,61]"))
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*default_aux_ids(61), 61]
+    kv = json.loads(cmd.split("--kv-transfer-config '")[1].split("'")[0])
+    connector = kv["kv_connector_extra_config"]["shared_storage_path"]
+    assert connector.startswith("/store/") and "store:/store" in hs["volumes"] and "store:/store" in readers["volumes"]
+    env = _env(readers)
+    assert env["EAGLE3Q_HS_BACKEND"] == "vllm" and env["EAGLE3Q_HS_CONNECTOR_DIR"] == connector
+    assert env["EAGLE3Q_HS_VLLM_BASE_URL"] == "http://vllm-hs:8001/v1"
+    assert hs["profiles"] == readers["profiles"] == ["gpu-extract"]
 
 
 def test_env_keys_match_the_settings():

@@ -154,3 +154,32 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
             logits, h = ours.step(_shift(x[1:], k).unsqueeze(0), h, pos + k, cache)
             valid = rows - k  # past the end both pad with token 0
             assert (logits[0, :valid] - captured[k][0, :valid]).abs().max().item() <= 1e-4, k
+
+
+def test_speculators_hidden_state_client_accepts_our_simulator(tiny, tmp_path):  # noqa: ANN001
+    """speculators' own data-generation client (`generate_hidden_states`) and hs-connectors' FileTransfer, against
+    the simulator in extract_hidden_states mode: the reply passes its checks, and the connector file passes its
+    `check_hidden_states`, with the final state before the norm (what the verifier norm then applies to)."""
+    import openai
+    from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    from eagle3q.dev.local import start_sim
+    from eagle3q.eagle3.extract import TransformersExtractor
+
+    proc, url = start_sim(str(tiny), tmp_path / "logs",
+                          extra=["--target-model", str(tiny), "--hs-dir", str(tmp_path / "connector")])
+    try:
+        client = openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0)
+        model = client.models.list().data[0].id
+        ids = list(range(11, 47))
+        handle, params = generate_hidden_states(client, model, {"input_ids": ids}, timeout=30)
+        data = FileTransfer(tmp_path / "connector").get_generated(params)  # waits for the .lock, loads the file
+        check_hidden_states(data, ids)
+        ref = TransformersExtractor(str(tiny), None, "cpu", "float32").extract([ids])[0]
+        assert data["hidden_states"].shape == (len(ids), 4, 64)
+        torch.testing.assert_close(data["hidden_states"][:, -1].float(), ref.final, atol=3e-2, rtol=3e-2)
+        assert handle == params["hidden_states_path"] and not Path(handle + ".lock").exists()
+    finally:
+        proc.kill()

@@ -1,0 +1,121 @@
+"""Hidden states from the serving engine: a vLLM started with `extract_hidden_states` and the
+`ExampleHiddenStatesConnector` (DESIGN.md, "Hidden states from vLLM"), the path that scales to Kimi-K2.5.
+
+Per sample: POST `/v1/completions` with the sample's token ids as the prompt, `max_tokens=1`,
+`return_token_ids=true` (speculators' `generate_hidden_states` sends the same); the reply's
+`choices[0].prompt_token_ids` must equal the sample's ids; the connector's file (`kv_transfer_params.
+hidden_states_path`) is complete once its `.lock` can be taken; it holds `token_ids` [T] and `hidden_states`
+[T, n_aux + 1, H], the aux layers in the server's configured order and last the final state before the norm. The
+file is read, checked and removed; the stage writes our own file from it.
+
+The connector's directory and our store must be on the same machine or a shared filesystem (the server writes,
+the worker reads). Samples of a batch are sent concurrently (`EAGLE3Q_HS_VLLM_CONCURRENCY`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+from eagle3q.eagle3.extract import Extracted, check_aux_ids, default_aux_ids
+from eagle3q.eagle3.target import target_config
+
+
+class ServerError(Exception):
+    """The extraction server failed or is unreachable: infrastructure, retried by the task."""
+
+
+def wait_for_lock(lock_path: str, timeout_s: float, poll_s: float = 0.02) -> None:
+    """The connector holds an exclusive flock on `<file>.lock` while it writes; taking it means the file is whole.
+    The lock file is removed after (as speculators' reader does)."""
+    if not os.path.exists(lock_path):
+        return
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ServerError(f"the connector still holds {lock_path} after {timeout_s:.0f}s") from None
+                time.sleep(poll_s)
+    finally:
+        os.close(fd)
+    Path(lock_path).unlink(missing_ok=True)
+
+
+class VllmExtractor:
+    """The hidden-state stage's backend for `EAGLE3Q_HS_BACKEND=vllm` (same interface as TransformersExtractor)."""
+
+    backend = "vllm"
+    final_state = "pre_norm"  # vLLM captures the last layer's output before the final norm
+
+    def __init__(self, base_url: str, model: str, target_dir: str, aux_ids: Sequence[int] | None,
+                 concurrency: int = 8, timeout_s: float = 600.0, api_key: str | None = None):
+        cfg = target_config(target_dir)
+        self.num_layers = int(cfg["num_hidden_layers"])
+        self.hidden_size = int(cfg["hidden_size"])
+        self.max_positions = int(cfg.get("max_position_embeddings", 1 << 30))
+        self.aux_ids = check_aux_ids(aux_ids or default_aux_ids(self.num_layers), self.num_layers)
+        self.model, self.timeout_s = model, timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
+        self.pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="eagle3q-hs-vllm")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.client.close()
+
+    def extract(self, batch: Sequence[Sequence[int]]) -> list[Extracted]:
+        return list(self.pool.map(self._one, [list(ids) for ids in batch]))
+
+    def _one(self, ids: list[int]) -> Extracted:
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
+        try:
+            r = self.client.post("/completions", json=body)
+        except httpx.HTTPError as e:
+            raise ServerError(f"extraction server unreachable: {type(e).__name__}: {e}") from e
+        if r.status_code >= 500 or r.status_code == 429:
+            raise ServerError(f"extraction server answered {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:
+            return _rejected("hs_request_refused", f"{r.status_code}: {r.text[:200]}")
+        reply = r.json()
+        choice = (reply.get("choices") or [{}])[0]
+        if choice.get("prompt_token_ids") != ids:
+            return _rejected("hs_prompt_mismatch", "the server tokenized the prompt differently")
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ServerError("no kv_transfer_params.hidden_states_path: is the server started with the "
+                              "ExampleHiddenStatesConnector?")
+        wait_for_lock(f"{path}.lock", self.timeout_s)
+        from safetensors.torch import load_file
+
+        try:
+            data = load_file(path)
+        finally:
+            Path(path).unlink(missing_ok=True)
+        return self._check(ids, data)
+
+    def _check(self, ids: list[int], data: dict[str, torch.Tensor]) -> Extracted:
+        if data.get("token_ids") is None or data["token_ids"].tolist() != ids:
+            return _rejected("hs_prompt_mismatch", "the connector's token_ids are not the sample's")
+        hs = data.get("hidden_states")
+        want = (len(ids), len(self.aux_ids) + 1, self.hidden_size)
+        if hs is None or tuple(hs.shape) != want:
+            return _rejected("hs_length_mismatch", f"hidden_states {None if hs is None else tuple(hs.shape)}, "
+                             f"expected {want} (the server's layer ids must be {self.aux_ids + [self.num_layers]})")
+        t = len(ids)
+        return Extracted(hs[:, :-1].reshape(t, -1).float(), hs[:, -1].float())
+
+
+def _rejected(reason: str, detail: str) -> Extracted:
+    return Extracted(torch.empty(0), torch.empty(0), reason=reason, detail=detail)
