@@ -184,8 +184,9 @@ def vocab(
     run: str = typer.Option("default"),
     draft_vocab_size: int | None = typer.Option(None, help="default: EAGLE3Q_DRAFT_VOCAB_SIZE"),
 ) -> None:
-    """Build the draft vocabulary (d2t / t2d) from a run's hidden-state files by hand."""
+    """Build the draft vocabulary (d2t / t2d) from a run's training split by hand (freezes its manifest)."""
     from eagle3q.config import get_settings
+    from eagle3q.eagle3.manifest import load_or_create
     from eagle3q.eagle3.target import target_config
     from eagle3q.eagle3.vocab import build_vocab
     from eagle3q.store import Store
@@ -195,8 +196,9 @@ def vocab(
     cfg = target_config(s.target_model)
     out = store.train_dir(run) / "vocab.safetensors"
     out.unlink(missing_ok=True)
-    d2t, t2d, cov = build_vocab(store.hidden_files(run), int(cfg["vocab_size"]),
-                                draft_vocab_size or s.draft_vocab_size, out)
+    manifest = load_or_create(store, run, s.val_fraction)  # the training split only, as the trainer builds it
+    d2t, t2d, cov = build_vocab([store.hidden_path(run, e.sample_id) for e in manifest.train],
+                                int(cfg["vocab_size"]), draft_vocab_size or s.draft_vocab_size, out)
     typer.echo(f"{out}: draft vocab {d2t.numel()} of {t2d.numel()} covers {100 * cov:.2f}% of loss tokens")
 
 

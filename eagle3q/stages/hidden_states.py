@@ -23,9 +23,15 @@ STAGE = HIDDEN_STATES.name
 class HiddenContext:
     store: Store
     ledger: Ledger
-    extractor: TransformersExtractor
+    extractor: TransformersExtractor  # or eagle3q.eagle3.vllm_extract.VllmExtractor: the same interface
     token_budget: int
     fire_train: Callable[[str], None]
+
+    def close(self) -> None:
+        """At worker shutdown (eagle3q.celery.bootsteps): the vLLM backend's connections and threads."""
+        close = getattr(self.extractor, "close", None)
+        if close is not None:
+            close()
 
 
 def _reject(ctx: HiddenContext, run: str, sid: str, reason: str, detail: str) -> None:
