@@ -181,3 +181,41 @@ def test_readme_documents_every_setting():
     readme = (ROOT / "README.md").read_text()
     missing = sorted(k for k in ENV_KEYS if f"`{k}`" not in readme)
     assert not missing, missing
+
+
+def _env_example() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "deploy" / ".env.example").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _plain_up(profiles: list[str]) -> set[str]:
+    """The services `docker compose up` starts with COMPOSE_PROFILES set to `profiles`: those without a profile
+    and those in one of them."""
+    return {n for n, svc in SERVICES.items() if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+
+
+def test_plain_up_brings_up_a_working_stack():
+    env = _env_example()
+    gpu = _plain_up(env["COMPOSE_PROFILES"].split(","))
+    assert {"redis", "vllm", "inference", "flower", "exporter"} <= gpu  # the consumers have a server to call
+    assert "sim" not in gpu and "producer" not in gpu
+    sim = _plain_up(["sim"])  # the documented switch
+    assert {"redis", "sim", "tiny-target", "inference", "hidden_states_cpu", "trainer_cpu", "flower"} <= sim
+    assert "vllm" not in sim and "vllm" in SERVICES["sim"]["networks"]["default"]["aliases"]
+
+
+def test_vllm_image_serves_kimi_k2_5():
+    """Kimi-K2.5 and the kimi_k2 reasoning parser arrived in vLLM 0.15: the default tag must be at least that, with
+    the recipe's flags."""
+    image = SERVICES["vllm"]["image"]
+    tag = re.search(r":-v?([0-9.]+)\}$", image).group(1)
+    assert tuple(int(x) for x in tag.split(".")[:2]) >= (0, 15), image
+    assert _env_example()["VLLM_IMAGE_TAG"].lstrip("v") == tag
+    cmd = " ".join(_cmd(SERVICES["vllm"]))
+    for flag in ("--tool-call-parser kimi_k2", "--enable-auto-tool-choice", "--mm-encoder-tp-mode data",
+                 "--reasoning-parser ${VLLM_REASONING_PARSER:-kimi_k2}"):
+        assert flag in cmd, flag
