@@ -117,6 +117,13 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
                  train_batch_tokens=1024, val_fraction=0.2, checkpoint_every=10**6)
     r = train_run("q", s, store)
     assert r.val_samples >= 16 and r.epochs[-1]["val"]["acc"][0] > 0.4
+    # the curves a user looks at, in TensorBoard's own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(store.train_dir("q") / "tensorboard"))
+    ea.Reload()
+    assert len(ea.Scalars("train/loss")) == r.steps and len(ea.Scalars("val/acc_step0")) == s.epochs
+    assert ea.Scalars("val/acc_step0")[-1].value == pytest.approx(r.epochs[-1]["val"]["acc"][0], abs=1e-4)
     table = acceptance_table(str(tiny), r.export_dir, heldout_prompts(store, "q", 16), store, "q", ks=(3,),
                              max_new=32)
     assert table["trained"][3] > table["bigram"][3] + 0.3, table
