@@ -23,7 +23,8 @@ def _ledger():  # noqa: ANN202
 
 @app.command()
 def enqueue(
-    dataset: Path = typer.Argument(..., help="JSONL / parquet file, HF datasets dir, or a dir of such files"),
+    dataset: Path = typer.Argument(..., help="a hub id (owner/name, streamed through `datasets`), a JSONL / "
+                                             "parquet file, an HF datasets dir, or a dir of such files"),
     run: str = typer.Option("default", help="run name: ids, counts and the store are per run"),
     max_samples: int | None = typer.Option(None, help="stop after this many prompts"),
     dataset_name: str | None = typer.Option(None, help="name used in sample ids (default: the path's name)"),

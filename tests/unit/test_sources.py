@@ -141,3 +141,37 @@ def test_lone_surrogates_and_raw_nul_bytes_are_bad_rows(tmp_path: Path):
     assert {b.row: b.reason for b in bad}.keys() == {0, 1}
     assert "lone surrogate" in bad[0].reason and "invalid JSON" in bad[1].reason
     assert prompts[0].messages[0]["content"] == "escaped \x00 is text"
+
+
+def test_hub_ids_stream_through_datasets_and_offline_is_a_clear_error(tmp_path: Path):
+    """`eagle3q enqueue mlabonne/open-perfectblend`: a hub id goes through `datasets`, streaming. Here there is no
+    network (HF_*_OFFLINE=1): the id gives a clear error naming the way out, and a local copy of a hub repo
+    streams through the same reader."""
+    import subprocess
+    import sys
+
+    from eagle3q.dev.local import child_env
+
+    repo = tmp_path / "open-perfectblend"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    pq.write_table(pa.Table.from_pylist([PB, OPENAI | {"source": "x"}, {"text": "no conversation"}] * 2),
+                   repo / "data" / "train-00000-of-00001.parquet")
+    code = f"""
+import json
+from pathlib import Path
+from eagle3q.sources import BadRow, DatasetError, Prompt, hub_rows, iter_prompts
+try:
+    list(iter_prompts(Path("mlabonne/open-perfectblend")))
+    print("NO ERROR")
+except DatasetError as e:
+    print("ERR", e)
+rows = list(hub_rows({str(repo)!r}))
+print(json.dumps([[r.row, r.data is not None] for r in rows]))
+"""
+    env = child_env({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.splitlines()
+    err = next(line for line in out if line.startswith(("ERR", "NO ERROR")))
+    assert err.startswith("ERR") and "mlabonne/open-perfectblend" in err and "huggingface-cli download" in err
+    assert json.loads(out[-1]) == [[i, True] for i in range(6)]  # all six rows, numbered in order
