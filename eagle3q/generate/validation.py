@@ -18,6 +18,10 @@ REASONS = (
     "null_token_ids",  # return_token_ids ignored or lost (old reasoning-parser paths)
     "usage_mismatch",  # len(token_ids) != completion_tokens or len(prompt_token_ids) != prompt_tokens
     "truncated",  # finish_reason == "length" (with truncation_policy=reject)
+    "aborted",  # finish_reason == "abort": the engine gave up on the request (a partial generation is no sample)
+    "engine_error",  # finish_reason == "error"
+    "repetition",  # finish_reason == "repetition" (vLLM's repetition detection stopped it)
+    "unknown_finish",  # any other finish reason: only "stop" (and "length" kept by policy) is a sample
     "empty_generation",
     "missing_reasoning",  # thinking on, but no reasoning came back
     "missing_think_close",  # thinking on, no </think> in the token stream
@@ -97,6 +101,9 @@ def validate(
         )
     if not gen:
         return _reject("empty_generation", "no tokens were generated", **base)
+    if finish not in ("stop", "length"):
+        named = {"abort": "aborted", "error": "engine_error", "repetition": "repetition"}.get(finish, "unknown_finish")
+        return _reject(named, f"finish_reason={finish!r} after {len(gen)} tokens", **base)
     truncated = finish == "length"
     if truncated and truncation_policy == "reject":
         return _reject("truncated", f"finish_reason=length after {len(gen)} tokens", truncated=True, **base)
@@ -106,7 +113,9 @@ def validate(
         return _reject("marker_in_content", "a reasoning marker appears in the content text", **base)
 
     n_open, n_close = gen.count(rp.open_id), gen.count(rp.close_id)
-    body = gen[:-1] if gen[-1] == rp.end_id else gen
+    # The stop token is in token_ids but not in the text: the end-of-turn id, or whichever stop token vLLM reports.
+    stop = choice.get("stop_reason")
+    body = gen[:-1] if gen[-1] == rp.end_id or (isinstance(stop, int) and gen[-1] == stop) else gen
     if not thinking:
         if n_open or n_close or _norm(reasoning):
             return _reject("unexpected_reasoning", "thinking is off but reasoning came back", **base)
@@ -135,6 +144,9 @@ def validate(
 
 
 def _check_text(decoded: str, text: str | None, reason: str, truncated: bool, base: dict[str, Any]) -> Verdict:
+    # vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence (a CJK character or an emoji cut by the end
+    # of the generation); decoding the ids gives U+FFFD there instead.
+    decoded = decoded.rstrip("\ufffd") if not (text or "").endswith("\ufffd") else decoded
     if _norm(decoded) != _norm(text):
         a, b = _norm(decoded), _norm(text)
         i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -58,7 +58,10 @@ class ChatRequest:
             "stream": False,
             # vLLM >= 0.10.2: the exact prompt and generated ids, so samples are never rebuilt from text.
             "return_token_ids": True,
-            "skip_special_tokens": True,
+            # Special tokens kept in the text, as validation decodes them: vLLM's deepseek_r1 parser honours the
+            # flag, and with `true` a `</think>` marked special is stripped before the split (content null, every
+            # sample rejected). The split is made on the token ids anyway; the text is the cross-check.
+            "skip_special_tokens": False,
         }
         if self.chat_template_kwargs:
             body["chat_template_kwargs"] = self.chat_template_kwargs

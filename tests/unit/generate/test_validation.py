@@ -109,3 +109,44 @@ def test_profile_ids_are_checked_against_a_real_sized_tokenizer(tiny_tokenizer):
     with pytest.raises(ProfileMismatch):
         resolve(KIMI_K2, tok.token_to_id, 200_000)
     assert resolve(QWEN3, tok.token_to_id, tok.vocab_size).open_id == tok.token_to_id("<think>")
+
+
+def test_only_stop_and_kept_length_are_samples(tiny_tokenizer):  # noqa: ANN001
+    """vLLM's other finish reasons end a generation that is no sample, even when </think> was already emitted."""
+    sim, rp = make(tiny_tokenizer)
+    base = respond(sim)
+    for finish, reason in (("abort", "aborted"), ("error", "engine_error"), ("repetition", "repetition"),
+                           ("cancelled", "unknown_finish")):
+        r = copy.deepcopy(base)
+        r["choices"][0]["finish_reason"] = finish
+        assert validate(r, rp, sim.tok, thinking=True).reason == reason, finish
+    assert validate(base, rp, sim.tok, thinking=True).ok
+
+
+def test_the_stop_token_vllm_reports_is_not_part_of_the_content(tiny_tokenizer):  # noqa: ANN001
+    sim, rp = make(tiny_tokenizer)
+    r = respond(sim, thinking=False)
+    stop_id = sim.tok.encode("Q")[0]  # a custom stop token (`stop_token_ids`), not the end-of-turn id
+    ch = r["choices"][0]
+    assert ch["token_ids"][-1] == rp.end_id
+    ch["token_ids"][-1] = stop_id
+    assert validate(r, rp, sim.tok, thinking=False).reason == "content_mismatch"  # its text is not in content
+    ch["stop_reason"] = stop_id  # what vLLM reports when a stop token ended the generation
+    assert validate(r, rp, sim.tok, thinking=False).ok
+
+
+def test_a_character_cut_by_the_end_of_the_generation_is_held_back_like_vllm(tiny_tokenizer):  # noqa: ANN001
+    sim, rp = make(tiny_tokenizer)
+    r = respond(sim, thinking=False)
+    ch = r["choices"][0]
+    text = "answer: 你好"
+    ids = sim.tok.encode(text)
+    assert "\ufffd" in sim.tok.decode(ids[:-1])  # the byte-level tokenizer splits the character: the cut is real
+    ch["token_ids"] = ids[:-1]
+    ch["finish_reason"] = "length"
+    ch["message"]["content"] = "answer: 你"  # vLLM's detokenizer holds the incomplete bytes back
+    r["usage"]["completion_tokens"] = len(ids) - 1
+    v = validate(r, rp, sim.tok, thinking=False, truncation_policy="keep")
+    assert v.ok and v.truncated, v
+    ch["message"]["content"] = "answer: 你X"
+    assert validate(r, rp, sim.tok, thinking=False, truncation_policy="keep").reason == "content_mismatch"
