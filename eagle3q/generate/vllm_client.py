@@ -107,7 +107,10 @@ class VLLMClient:
         if status == 400:
             msg = _error_message(resp)
             low = msg.lower()
-            reason = "prompt_too_long" if ("context length" in low or "too long" in low) else "bad_request"
+            # Every context error (prompt over the context, max_tokens over max_model_len) by one name.
+            context = ("context length" in low or "too long" in low or "max_model_len" in low
+                       or "too large" in low)
+            reason = "prompt_too_long" if context else "bad_request"
             raise PermanentError(reason, msg)
         if status >= 400:
             raise PermanentError(f"http_{status}", _error_message(resp))

@@ -61,6 +61,9 @@ class Simulator:
         kw = self.profile.thinking_kwarg
         thinking = bool(kwargs.get(kw, True)) if kw else True
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        if max_tokens > self.cfg.max_model_len:  # vLLM refuses it outright, whatever the prompt
+            return self._error(400, f"max_tokens ({max_tokens}) cannot be greater than max_model_len "
+                                    f"({self.cfg.max_model_len})", "BadRequestError")
 
         gen = await self.engine.generate_async(messages, thinking, max_tokens)
         n_prompt = len(gen.prompt_ids)

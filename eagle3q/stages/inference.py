@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eagle3q.config import Settings
 from eagle3q.contract import INFERENCE, InferenceTask
@@ -18,6 +18,7 @@ from eagle3q.control.inflight import InflightLimiter
 from eagle3q.control.ledger import Ledger
 from eagle3q.generate.endpoints import EndpointPool
 from eagle3q.generate.profiles import ResolvedProfile, get_profile, resolve
+from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import TokenizerLike, load_tokenizer
 from eagle3q.generate.validation import validate
 from eagle3q.generate.vllm_client import ChatRequest, PermanentError, TransientError, VLLMClient
@@ -42,6 +43,7 @@ class InferenceContext:
     fire_train: Callable[[str], None] | None = None  # (run) -> send its training task (the trigger decided)
     inflight: InflightLimiter | None = None  # the shared in-flight budget, when enabled
     prober: Periodic | None = None  # polls the endpoints' health and load (several endpoints, or adaptive budget)
+    limits: dict[str, int | None] = field(default_factory=dict)  # endpoint -> max_model_len (context_limit)
 
     def probe_once(self) -> None:
         self.endpoints.probe(self.client.http)
@@ -51,6 +53,18 @@ class InferenceContext:
     def close(self) -> None:
         if self.prober is not None:
             self.prober.stop()
+
+    def context_limit(self, url: str) -> int | None:
+        """The endpoint's max_model_len from its `/v1/models` (asked once per endpoint; None while unknown)."""
+        if url not in self.limits:
+            try:
+                r = self.client.http.get(url.rstrip("/") + "/models", timeout=10)
+                data = r.json().get("data") or [{}]
+                value = data[0].get("max_model_len")
+            except Exception:  # noqa: BLE001 - unreachable now: the request itself will tell; ask again next time
+                return None
+            self.limits[url] = int(value) if isinstance(value, int) and value > 0 else None
+        return self.limits[url]
 
     def profile(self, name: str) -> ResolvedProfile:
         if name not in self.profiles:
@@ -138,15 +152,27 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
 
     s = task.sampling
     rp = ctx.profile(task.profile)
+    messages = [m.model_dump() for m in task.messages]
+    url = ctx.endpoints.acquire()
+    max_tokens = s.max_tokens
+    limit = ctx.context_limit(url)
+    if limit is not None:
+        # Sized to the context: vLLM refuses max_tokens over max_model_len, and silently caps prompt + max_tokens
+        # over it (the sample then ends as `truncated`).
+        room = limit - len(ctx.tokenizer.encode(render_prompt(rp.profile, messages, task.thinking)))
+        if room <= 0:
+            ctx.endpoints.release(url, True)
+            _reject(ctx, task, "prompt_too_long", f"the prompt fills the context of {limit} tokens", None)
+            return "rejected:prompt_too_long"
+        max_tokens = min(max_tokens, room)
     req = ChatRequest(
         model=task.model,
-        messages=[m.model_dump() for m in task.messages],
+        messages=messages,
         temperature=s.temperature,
         top_p=s.top_p,
-        max_tokens=s.max_tokens,
+        max_tokens=max_tokens,
         chat_template_kwargs=rp.profile.chat_template_kwargs(task.thinking),
     )
-    url = ctx.endpoints.acquire()
     slot = ctx.inflight.acquire() if ctx.inflight is not None else None
     t0 = time.monotonic()
     ok, connect_failed = False, False

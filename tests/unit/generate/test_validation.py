@@ -150,3 +150,23 @@ def test_a_character_cut_by_the_end_of_the_generation_is_held_back_like_vllm(tin
     assert v.ok and v.truncated, v
     ch["message"]["content"] = "answer: 你X"
     assert validate(r, rp, sim.tok, thinking=False, truncation_policy="keep").reason == "content_mismatch"
+
+
+def test_every_context_error_is_prompt_too_long(tiny_tokenizer, tmp_path):  # noqa: ANN001
+    """max_tokens over max_model_len is vLLM's 400 "cannot be greater than max_model_len": the same named rejection
+    as a prompt over the context (the inference stage sizes max_tokens so that it does not happen)."""
+    from eagle3q.dev.local import start_sim
+    from eagle3q.generate.vllm_client import ChatRequest, PermanentError, VLLMClient
+
+    proc, url = start_sim(str(tiny_tokenizer), tmp_path / "logs", extra=["--max-model-len", "300"])
+    client = VLLMClient(None, 10, 4)
+    try:
+        for max_tokens, msg in ((5000, "hi"), (10, "tell me more " * 400)):
+            req = ChatRequest(model="moonshotai/Kimi-K2.5", messages=[{"role": "user", "content": msg}],
+                              temperature=0.6, top_p=0.95, max_tokens=max_tokens, chat_template_kwargs={})
+            with pytest.raises(PermanentError) as e:
+                client.chat(url, req)
+            assert e.value.reason == "prompt_too_long", e.value.detail
+    finally:
+        client.close()
+        proc.kill()
