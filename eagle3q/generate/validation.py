@@ -117,7 +117,16 @@ def validate(
     stop = choice.get("stop_reason")
     body = gen[:-1] if gen[-1] == rp.end_id or (isinstance(stop, int) and gen[-1] == stop) else gen
     if not thinking:
-        if n_open or n_close or _norm(reasoning):
+        if n_open or n_close:
+            return _reject("unexpected_reasoning", "thinking is off but the model emitted reasoning markers", **base)
+        if _norm(reasoning) and not _norm(content):
+            # vLLM versions where `kimi_k2` is the deepseek_r1 parser's alias: with no </think> in the stream the
+            # whole answer comes back as `reasoning`, content null. The ids are the answer; the text is checked.
+            verdict = _check_text(tok.decode(body), reasoning, "content_mismatch", truncated, base)
+            if verdict.ok:
+                verdict.content, verdict.reasoning = reasoning, None
+            return verdict
+        if _norm(reasoning):
             return _reject("unexpected_reasoning", "thinking is off but reasoning came back", **base)
         return _check_text(tok.decode(body), content, "content_mismatch", truncated, base)
 
@@ -130,10 +139,13 @@ def validate(
     if n_close > 1:
         return _reject("multiple_think_close", f"{n_close} </think> tokens in the generation", **base)
     close_at = gen.index(rp.close_id)
-    allowed_open = 0 if rp.profile.prompt_opens_think else 1
+    # Who opens <think> is read from this request's prompt, not fixed per profile: Kimi-K2.5's template pre-fills it,
+    # Kimi-K2-Thinking's does not (the model generates it), under the same parser.
+    prompt_opened = rp.open_id in prompt[-3:]
+    allowed_open = 0 if prompt_opened else 1
     if n_open > allowed_open or (n_open == 1 and gen[0] != rp.open_id):
         return _reject("misplaced_think_open", f"{n_open} <think> tokens, expected {allowed_open} at the start", **base)
-    if allowed_open and n_open == 0 and rp.open_id not in prompt[-3:]:
+    if allowed_open and n_open == 0:
         return _reject("misplaced_think_open", "the stream has no <think> and the prompt did not open one", **base)
 
     reason_ids = [t for t in gen[:close_at] if t != rp.open_id]

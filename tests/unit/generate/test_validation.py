@@ -170,3 +170,32 @@ def test_every_context_error_is_prompt_too_long(tiny_tokenizer, tmp_path):  # no
     finally:
         client.close()
         proc.kill()
+
+
+def test_who_opens_think_is_read_from_the_prompt(tiny_tokenizer):  # noqa: ANN001
+    """Kimi-K2.5 pre-fills <think> in the prompt; Kimi-K2-Thinking (same profile, same parser) generates it."""
+    sim, rp = make(tiny_tokenizer)
+    r = respond(sim)
+    assert r["prompt_token_ids"][-1] == rp.open_id  # K2.5: the template opened it
+    assert validate(r, rp, sim.tok, thinking=True).ok
+    k2t = copy.deepcopy(r)  # K2-Thinking: the prompt ends before <think>, the stream starts with it
+    k2t["prompt_token_ids"] = k2t["prompt_token_ids"][:-1]
+    k2t["choices"][0]["token_ids"].insert(0, rp.open_id)
+    k2t["usage"]["prompt_tokens"] -= 1
+    k2t["usage"]["completion_tokens"] += 1
+    assert validate(k2t, rp, sim.tok, thinking=True).ok
+    both = copy.deepcopy(r)  # opened twice: in the prompt and again in the stream
+    both["choices"][0]["token_ids"].insert(0, rp.open_id)
+    both["usage"]["completion_tokens"] += 1
+    assert validate(both, rp, sim.tok, thinking=True).reason == "misplaced_think_open"
+
+
+def test_thinking_off_answer_returned_as_reasoning_by_the_r1_alias_is_the_answer(tiny_tokenizer):  # noqa: ANN001
+    sim, rp = make(tiny_tokenizer)
+    r = respond(sim, thinking=False)
+    msg = r["choices"][0]["message"]
+    msg["reasoning"], msg["content"] = msg["content"], None  # what the deepseek_r1 alias returns without </think>
+    v = validate(r, rp, sim.tok, thinking=False)
+    assert v.ok and v.content and v.reasoning is None
+    msg["reasoning"] = "something else entirely"
+    assert validate(r, rp, sim.tok, thinking=False).reason == "content_mismatch"
