@@ -212,6 +212,19 @@ class Simulator:
                                          "max_model_len": self.cfg.max_model_len}]}
         )
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize` for a plain prompt (what deploy/first-contact.sh asks for the marker ids)."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(400, "request body is not JSON", "BadRequestError")
+        tokens = self.tok.encode(str(body.get("prompt", "")))
+        return web.json_response({"count": len(tokens), "max_model_len": self.cfg.max_model_len, "tokens": tokens,
+                                  "token_strs": None})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.0.0+eagle3q-sim"})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -240,6 +253,8 @@ class Simulator:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
         return app
 

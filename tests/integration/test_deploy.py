@@ -219,3 +219,22 @@ def test_vllm_image_serves_kimi_k2_5():
     for flag in ("--tool-call-parser kimi_k2", "--enable-auto-tool-choice", "--mm-encoder-tp-mode data",
                  "--reasoning-parser ${VLLM_REASONING_PARSER:-kimi_k2}"):
         assert flag in cmd, flag
+
+
+def test_first_contact_script_against_the_simulator(tiny_tokenizer, tmp_path):  # noqa: ANN001
+    """deploy/first-contact.sh passes on a server that returns what eagle3q needs, and fails (exit 1) on one whose
+    generations lack </think>."""
+    from eagle3q.dev.local import child_env, start_sim
+
+    script = ROOT / "deploy" / "first-contact.sh"
+    for faults, rc in (("", 0), ("missing_close=1.0", 1)):
+        proc, url = start_sim(str(tiny_tokenizer), tmp_path / "logs", extra=["--faults", faults] if faults else [])
+        try:
+            r = subprocess.run(["bash", str(script), url], capture_output=True, text=True, timeout=60,
+                               env=child_env({}))
+        finally:
+            proc.kill()
+        assert r.returncode == rc, r.stdout + r.stderr
+        assert ("all checks passed" in r.stdout) is (rc == 0)
+        assert '"token_ids"' in r.stdout  # printed raw
+    assert "[FAIL] the </think> id is in token_ids" in r.stdout
