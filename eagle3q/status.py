@@ -63,6 +63,7 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             "retries": {k[6:]: v for k, v in c.stats.items() if k.startswith("retry_")},
             "store_errors": c.stats.get("store_errors", 0),
             "task_errors": c.stats.get("task_errors", 0),
+            "server_too_old": c.stats.get("server_too_old", 0),
             "resent_lost": c.stats.get("resent_lost", 0),
         }
     return out
@@ -110,6 +111,9 @@ def render(snap: dict) -> Group:
     if retries:
         extra.append("transient errors retried: " + ", ".join(f"{k}={v}" for k, v in sorted(retries.items())))
     for name, st in snap["stages"].items():
+        if st.get("server_too_old"):
+            extra.append(f"[red]{name}: tasks held back {st['server_too_old']} times because the vLLM server is too "
+                         "old for the profile (see the worker log; upgrade it)[/red]")
         if st["store_errors"]:
             extra.append(f"[red]store write errors in {name}: {st['store_errors']} (tasks kept and retried)[/red]")
         if st["task_errors"]:

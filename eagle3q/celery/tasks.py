@@ -28,6 +28,7 @@ from eagle3q.contract import (
     send_train,
     signature_ok,
 )
+from eagle3q.generate.endpoints import ServerTooOld
 from eagle3q.generate.vllm_client import TransientError, backoff_s
 from eagle3q.store import StoreError
 
@@ -160,6 +161,10 @@ def generate(self: Task, payload: dict, sig: str | None = None) -> str:
         raise self.retry(countdown=delay, exc=e) from None
     except StoreError as e:
         raise retry_store_error(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
+    except ServerTooOld as e:  # no sample is attempted against it: the task waits, counted, until an upgrade
+        ctx.ledger.incr(task.run, INFERENCE.name, "server_too_old")
+        log.error("%s/%s not sent: %s", task.run, task.sample_id, e)
+        raise self.retry(countdown=s.backoff_max_s, exc=e) from None
     except Exception as e:  # noqa: BLE001
         raise retry_unexpected(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
 

@@ -3,6 +3,7 @@ endpoint that fails to connect is set aside and comes back once its `/health` an
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -71,6 +72,34 @@ class EndpointPool:
                     ep.down_until, ep.failures = 0.0, 0
                 elif not healthy:
                     ep.down_until = time.monotonic() + self.cooldown_s
+
+
+class ServerTooOld(RuntimeError):
+    """The endpoint's vLLM cannot serve the profile: every sample would be wrong, so none is attempted."""
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """'0.17.0', 'v0.15.1rc1', '0.11.0+cu128' -> (major, minor, patch); None when not a version."""
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def check_version(http: httpx.Client, base_url: str, minimum: tuple[int, int, int], profile: str) -> str | None:
+    """GET <server>/version; raise ServerTooOld below `minimum`. Returns the version (None: not reported, e.g. a
+    proxy in front: then the requests themselves tell)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        r = http.get(root + "/version", timeout=10)
+        version = str(r.json().get("version", "")) if r.status_code == 200 else ""
+    except Exception:  # noqa: BLE001 - unreachable or not JSON: no verdict here
+        return None
+    parsed = parse_version(version)
+    if parsed is not None and parsed < minimum:
+        need = ".".join(map(str, minimum))
+        raise ServerTooOld(f"vLLM {version} at {base_url} is older than {need}, the oldest that serves profile "
+                           f"{profile} right (the model, its reasoning parser, return_token_ids): upgrade the server "
+                           "(docker-compose.yml pins v0.17.0)")
+    return version or None
 
 
 def parse_gauge(text: str, name: str) -> float:

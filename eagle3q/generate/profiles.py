@@ -23,6 +23,9 @@ class Profile:
     known_ids: dict[str, int] = field(default_factory=dict)
     # Tokens of the chat template, for the simulator's renderer and the tiny local tokenizer.
     template_tokens: tuple[str, ...] = ()
+    # The oldest vLLM that serves the family right: `return_token_ids` arrived in 0.10.2; Kimi-K2.5 and the
+    # kimi_k2 reasoning parser in 0.15.
+    min_vllm: tuple[int, int, int] = (0, 10, 2)
 
     def chat_template_kwargs(self, thinking: bool) -> dict[str, bool]:
         return {self.thinking_kwarg: thinking} if self.thinking_kwarg else {}
@@ -44,6 +47,7 @@ KIMI_K2 = Profile(
         "<|im_middle|>": 163601,
     },
     template_tokens=("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"),
+    min_vllm=(0, 15, 0),
 )
 
 QWEN3 = Profile(

@@ -39,6 +39,7 @@ class SimConfig:
     # The extract_hidden_states mode (`eagle3q.sim.hidden_states`): where the connector's files go, and the layer
     # ids (vLLM convention, the last = L, the final state); empty: /v1/completions without kv_transfer_params.
     hs_dir: str = ""
+    vllm_version: str = "0.17.0"  # what /version reports (the vLLM release whose behaviour the simulator follows)
     hs_layer_ids: list[int] = field(default_factory=list)
 
 

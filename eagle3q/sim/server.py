@@ -223,7 +223,7 @@ class Simulator:
                                   "token_strs": None})
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "0.0.0+eagle3q-sim"})
+        return web.json_response({"version": self.cfg.vllm_version})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

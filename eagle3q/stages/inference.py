@@ -16,7 +16,7 @@ from eagle3q.config import Settings
 from eagle3q.contract import INFERENCE, InferenceTask
 from eagle3q.control.inflight import InflightLimiter
 from eagle3q.control.ledger import Ledger
-from eagle3q.generate.endpoints import EndpointPool
+from eagle3q.generate.endpoints import EndpointPool, check_version
 from eagle3q.generate.profiles import ResolvedProfile, get_profile, resolve
 from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import TokenizerLike, load_tokenizer
@@ -44,6 +44,7 @@ class InferenceContext:
     inflight: InflightLimiter | None = None  # the shared in-flight budget, when enabled
     prober: Periodic | None = None  # polls the endpoints' health and load (several endpoints, or adaptive budget)
     limits: dict[str, int | None] = field(default_factory=dict)  # endpoint -> max_model_len (context_limit)
+    versions: dict[tuple[str, str], str | None] = field(default_factory=dict)  # (endpoint, profile) -> checked
 
     def probe_once(self) -> None:
         self.endpoints.probe(self.client.http)
@@ -65,6 +66,16 @@ class InferenceContext:
                 return None
             self.limits[url] = int(value) if isinstance(value, int) and value > 0 else None
         return self.limits[url]
+
+    def check_server(self, url: str, profile: str) -> None:
+        """Once per endpoint and profile: refuse a vLLM too old to serve the profile (ServerTooOld, raised on every
+        task until the server is upgraded, so no sample is attempted and none is lost)."""
+        if (url, profile) in self.versions:
+            return
+        version = check_version(self.client.http, url, get_profile(profile).min_vllm, profile)
+        self.versions[(url, profile)] = version
+        if version:
+            log.info("endpoint %s: vLLM %s", url, version)
 
     def profile(self, name: str) -> ResolvedProfile:
         if name not in self.profiles:
@@ -154,6 +165,11 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
     rp = ctx.profile(task.profile)
     messages = [m.model_dump() for m in task.messages]
     url = ctx.endpoints.acquire()
+    try:
+        ctx.check_server(url, task.profile)
+    except Exception:
+        ctx.endpoints.release(url, True)
+        raise
     max_tokens = s.max_tokens
     limit = ctx.context_limit(url)
     if limit is not None:

@@ -138,3 +138,17 @@ def test_hostile_rows_end_in_named_places(stack_factory, tmp_path: Path, write_j
     assert set(by_row) == {0, 1, 4, 9, 10}
     for row, sample in by_row.items():
         assert sample.messages[-1].content == rows[row]["messages"][-1]["content"]  # byte for byte
+
+
+def test_a_vllm_too_old_for_the_profile_gets_no_request_and_loses_nothing(stack_factory, assert_accounted):  # noqa: ANN001
+    stack = stack_factory(sim_args=["--vllm-version", "0.11.0"])  # before Kimi-K2.5 and its kimi_k2 parser
+    w = stack.worker("inference", concurrency=2)
+    stack.enqueue(SAMPLE_DATASET, "old", max_samples=3)
+    deadline = time.monotonic() + 30
+    while stack.ledger.stat("old", "inference", "server_too_old") < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    c = stack.ledger.counts("old", "inference")
+    assert c.done == c.rejected == 0 and c.pending == 3  # held, not failed: nothing is lost
+    assert "older than 0.15.0" in w.log.read_text()
+    metrics = httpx.get(stack.sim_urls[0][:-3] + "/metrics", timeout=5).text
+    assert 'vllm:request_success_total{model_name="moonshotai/Kimi-K2.5",finished_reason="stop"} 0' in metrics

@@ -44,3 +44,27 @@ def test_endpoint_pool_prefers_least_waiting_and_recovers(tmp_path, tiny_tokeniz
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_server_too_old_for_the_profile_is_refused(tiny_tokenizer, tmp_path):  # noqa: ANN001
+    import httpx
+    import pytest
+
+    from eagle3q.dev.local import start_sim
+    from eagle3q.generate.endpoints import ServerTooOld, check_version, parse_version
+    from eagle3q.generate.profiles import get_profile
+
+    assert parse_version("v0.15.1rc1") == (0, 15, 1) and parse_version("0.11.0+cu128") == (0, 11, 0)
+    assert parse_version("main") is None
+    with httpx.Client() as http:
+        old, old_url = start_sim(str(tiny_tokenizer), tmp_path / "logs", extra=["--vllm-version", "0.11.0"])
+        new, new_url = start_sim(str(tiny_tokenizer), tmp_path / "logs")
+        try:
+            with pytest.raises(ServerTooOld, match="older than 0.15.0"):
+                check_version(http, old_url, get_profile("kimi_k2").min_vllm, "kimi_k2")
+            assert check_version(http, old_url, get_profile("qwen3").min_vllm, "qwen3") == "0.11.0"
+            assert check_version(http, new_url, get_profile("kimi_k2").min_vllm, "kimi_k2") == "0.17.0"
+            assert check_version(http, "http://127.0.0.1:9/v1", (0, 15, 0), "kimi_k2") is None  # unreachable
+        finally:
+            old.kill()
+            new.kill()
