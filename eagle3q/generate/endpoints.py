@@ -85,21 +85,25 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 
 
 def check_version(http: httpx.Client, base_url: str, minimum: tuple[int, int, int], profile: str) -> str | None:
-    """GET <server>/version; raise ServerTooOld below `minimum`. Returns the version (None: not reported, e.g. a
-    proxy in front: then the requests themselves tell)."""
+    """GET <server>/version; raise ServerTooOld below `minimum`. Returns the version, "" when the server answered
+    without one (a proxy in front: the requests themselves tell), None when it could not be reached (ask again)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
         r = http.get(root + "/version", timeout=10)
-        version = str(r.json().get("version", "")) if r.status_code == 200 else ""
-    except Exception:  # noqa: BLE001 - unreachable or not JSON: no verdict here
+    except httpx.HTTPError:  # not reachable now: no verdict, ask again with the next task
         return None
+    try:
+        data = r.json() if r.status_code == 200 else {}
+    except ValueError:  # answered, not JSON (a proxy's page)
+        data = {}
+    version = str(data.get("version", "")) if isinstance(data, dict) else ""
     parsed = parse_version(version)
     if parsed is not None and parsed < minimum:
         need = ".".join(map(str, minimum))
         raise ServerTooOld(f"vLLM {version} at {base_url} is older than {need}, the oldest that serves profile "
                            f"{profile} right (the model, its reasoning parser, return_token_ids): upgrade the server "
                            "(docker-compose.yml pins v0.17.0)")
-    return version or None
+    return version
 
 
 def parse_gauge(text: str, name: str) -> float:

@@ -73,6 +73,8 @@ class InferenceContext:
         if (url, profile) in self.versions:
             return
         version = check_version(self.client.http, url, get_profile(profile).min_vllm, profile)
+        if version is None:  # unreachable: the request will say so; check again next time
+            return
         self.versions[(url, profile)] = version
         if version:
             log.info("endpoint %s: vLLM %s", url, version)
