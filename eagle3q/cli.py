@@ -174,11 +174,15 @@ def tiny_model(
 def demo(
     workdir: Path = typer.Option(Path("var/demo"), help="where the tiny target, store, Redis data and logs go"),
     max_samples: int | None = typer.Option(None, help="fewer prompts for a quicker look"),
+    hs_backend: str = typer.Option("transformers", help="vllm: hidden states from the simulator playing a vLLM "
+                                                        "with extract_hidden_states (the Kimi-scale path)"),
 ) -> None:
     """The whole pipeline locally on the bundled data set and a tiny target (what `make demo` runs)."""
     from eagle3q.dev.demo import run_demo
 
-    raise typer.Exit(run_demo(workdir, max_samples))
+    if hs_backend not in ("transformers", "vllm"):
+        raise typer.BadParameter("--hs-backend is transformers or vllm")
+    raise typer.Exit(run_demo(workdir, max_samples, hs_backend=hs_backend))
 
 
 @app.command()

@@ -17,7 +17,9 @@ from eagle3q.dev.tiny import SAMPLE_DATASET, build_model
 from eagle3q.status import render, snapshot
 
 
-def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> int:
+def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600, hs_backend: str = "transformers") -> int:
+    """`hs_backend="vllm"`: the hidden states come from the simulator playing a vLLM with extract_hidden_states
+    (connector files in `workdir/connector`), read by the hidden-state worker as on a Kimi deployment."""
     console = Console(width=140)
     workdir = workdir.resolve()
     tiny = workdir / "tiny"
@@ -25,15 +27,20 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 600) -> 
         console.print("building the tiny local target ...")
         build_model(tiny)
     run = f"demo-{int(time.time())}"
+    sim_args = ["--ttft", "0.01", "--itl", "0.001", "--mean-output-tokens", "48", "--target-model", str(tiny)]
+    if hs_backend == "vllm":
+        sim_args += ["--hs-dir", str(workdir / "connector")]
     stack = LocalStack(
         workdir, tiny,
-        sim_args=["--ttft", "0.01", "--itl", "0.001", "--mean-output-tokens", "48", "--target-model", str(tiny)],
+        sim_args=sim_args,
         # Sized for 2 CPU cores: 20 epochs of ~160 samples in ~1024-token batches (~80 s), a fifth of the rows held
         # out for the evaluation.
         env={"EAGLE3Q_EPOCHS": "20", "EAGLE3Q_LR": "5e-3", "EAGLE3Q_TRAIN_BATCH_TOKENS": "1024",
              "EAGLE3Q_VAL_FRACTION": "0.2", "EAGLE3Q_CHECKPOINT_EVERY": "100", "EAGLE3Q_TOKEN_BUDGET": "8192",
-             "EAGLE3Q_REQUEST_TIMEOUT_S": "120"},
+             "EAGLE3Q_REQUEST_TIMEOUT_S": "120", "EAGLE3Q_HS_BACKEND": hs_backend,
+             "EAGLE3Q_HS_CONNECTOR_DIR": str(workdir / "connector")},
     )
+    stack.env["EAGLE3Q_HS_VLLM_BASE_URL"] = stack.sim_urls[0]  # the same simulator serves both APIs
     try:
         stack.worker("inference", concurrency=16, wait=False)
         stack.worker("hidden_states", wait=False)

@@ -53,6 +53,28 @@ def wait_for_lock(lock_path: str, timeout_s: float, poll_s: float = 0.02) -> Non
     Path(lock_path).unlink(missing_ok=True)
 
 
+class Breaker:
+    """After `threshold` server failures in a row, fail fast for `cooldown_s` (the task retries with backoff)
+    instead of sending every sample of every batch to a server that is down."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 10.0, clock=time.monotonic):  # noqa: ANN001
+        self.threshold, self.cooldown_s, self.clock = threshold, cooldown_s, clock
+        self.failures, self.opened_at = 0, None
+
+    def check(self) -> None:
+        if self.opened_at is not None and self.clock() - self.opened_at < self.cooldown_s:
+            raise ServerError(f"extraction server failed {self.failures} times in a row: not calling it for "
+                              f"{self.cooldown_s:.0f}s")
+
+    def record(self, ok: bool) -> None:
+        if ok:
+            self.failures, self.opened_at = 0, None
+            return
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.opened_at = self.clock()
+
+
 class VllmExtractor:
     """The hidden-state stage's backend for `EAGLE3Q_HS_BACKEND=vllm` (same interface as TransformersExtractor)."""
 
@@ -70,6 +92,7 @@ class VllmExtractor:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="eagle3q-hs-vllm")
+        self.breaker = Breaker()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -79,13 +102,17 @@ class VllmExtractor:
         return list(self.pool.map(self._one, [list(ids) for ids in batch]))
 
     def _one(self, ids: list[int]) -> Extracted:
+        self.breaker.check()
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
         try:
             r = self.client.post("/completions", json=body)
         except httpx.HTTPError as e:
+            self.breaker.record(False)
             raise ServerError(f"extraction server unreachable: {type(e).__name__}: {e}") from e
         if r.status_code >= 500 or r.status_code == 429:
+            self.breaker.record(False)
             raise ServerError(f"extraction server answered {r.status_code}: {r.text[:200]}")
+        self.breaker.record(True)
         if r.status_code >= 400:
             return _rejected("hs_request_refused", f"{r.status_code}: {r.text[:200]}")
         reply = r.json()

@@ -46,3 +46,27 @@ def test_status_counts_the_connectors_backlog(tmp_path):  # noqa: ANN001
     (tmp_path / "b.safetensors").write_bytes(b"x" * 5)
     (tmp_path / "b.safetensors.lock").write_bytes(b"")
     assert connector_backlog(str(tmp_path)) == {"dir": str(tmp_path), "files": 2, "bytes": 15}
+
+
+def test_the_breaker_fails_fast_while_the_server_is_down(tiny):  # noqa: ANN001
+    from eagle3q.eagle3.vllm_extract import Breaker
+
+    now = [0.0]
+    b = Breaker(threshold=3, cooldown_s=10, clock=lambda: now[0])
+    for _ in range(2):
+        b.record(False)
+        b.check()  # below the threshold: still calling
+    b.record(False)
+    with pytest.raises(ServerError, match="3 times in a row"):
+        b.check()
+    now[0] = 11.0
+    b.check()  # the cooldown is over: one more try
+    b.record(True)
+    assert b.failures == 0 and b.opened_at is None
+    ex = VllmExtractor("http://127.0.0.1:9/v1", "m", str(tiny), None)  # nothing listens there
+    for _ in range(3):
+        with pytest.raises(ServerError, match="unreachable"):
+            ex.extract([[1, 2, 3]])
+    with pytest.raises(ServerError, match="in a row"):  # now without a connection attempt
+        ex.extract([[1, 2, 3]])
+    ex.close()
