@@ -158,12 +158,9 @@ def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001
     tokenized them."""
     import json
 
-    from eagle3q.eagle3.manifest import NAME, Manifest
+    from eagle3q.eagle3.manifest import load
 
-    path = store.train_dir(run) / NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"run {run} has no training manifest ({path}): train it first")
-    m = Manifest.from_json(path.read_bytes())
+    m = load(store, run)
     out = []
     for e in m.val[:n]:
         sample = store.read_sample(run, e.sample_id)
@@ -174,9 +171,9 @@ def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001
 
 
 def bigram_for_run(store, run: str) -> Bigram:  # noqa: ANN001
-    from eagle3q.eagle3.manifest import NAME, Manifest
+    from eagle3q.eagle3.manifest import load
 
-    m = Manifest.from_json((store.train_dir(run) / NAME).read_bytes())
+    m = load(store, run)
     return Bigram.from_files([store.hidden_path(run, e.sample_id) for e in m.train])
 
 

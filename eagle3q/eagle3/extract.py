@@ -174,6 +174,20 @@ def load_hidden(path) -> dict:  # noqa: ANN001
     return load_file(str(path))
 
 
+HIDDEN_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")
+
+
+def read_hidden(path) -> tuple[dict, str]:  # noqa: ANN001
+    """A sample's four tensors as stored, and which side of the target's final norm its final state is on
+    ("pre_norm", or "post_norm" for files that do not say: the older ones)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in HIDDEN_KEYS}
+    return tensors, json.loads(meta.get("final_state", '"post_norm"'))
+
+
 def file_is_valid(path, expected_len: int) -> bool:  # noqa: ANN001
     """A complete file of the right length (a redelivered task trusts it only then)."""
     try:

@@ -65,6 +65,14 @@ def _entry(store: Store, run: str, path: Path) -> Entry:
     return Entry(path.stem, tokens, key)
 
 
+def load(store: Store, run: str) -> Manifest:
+    """The manifest a trainer froze for the run (FileNotFoundError before the run was trained)."""
+    path = store.train_dir(run) / NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"run {run} has no training manifest ({path}): train it first")
+    return Manifest.from_json(path.read_bytes())
+
+
 def load_or_create(store: Store, run: str, val_fraction: float) -> Manifest:
     """The run's manifest: read back if a trainer wrote it before, else built from the files present now."""
     path = store.train_dir(run) / NAME

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3q.eagle3.extract import read_hidden
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.store import Store, write_atomic
 
@@ -64,15 +65,6 @@ def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str]) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"run": run, "format": fmt, "ids": order}).encode())
     return order
-
-
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        t = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")}
-    return t, json.loads(meta.get("final_state", '"post_norm"'))
 
 
 class _Norm:
@@ -126,7 +118,7 @@ def _write_arrow(out_dir: Path, files: list[Path]) -> None:
 
     def rows() -> Iterator[dict]:
         for f in files:
-            t, _ = _load(f)
+            t, _ = read_hidden(f)
             yield {"input_ids": t["input_ids"].long().tolist(), "loss_mask": t["loss_mask"].long().tolist(),
                    "seq_len": int(t["input_ids"].numel())}
 
@@ -158,7 +150,7 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
         raise ExportError(f"{len(missing)} samples of the earlier export are gone from the store (e.g. {missing[0]})")
     norm = None
     if fmt == "specforge":
-        first_state = _load(by_id[order[0]])[1]
+        first_state = read_hidden(by_id[order[0]])[1]
         if first_state == "pre_norm":
             if not target_dir:
                 raise ExportError("SpecForge wants post-norm final states: set EAGLE3Q_TARGET_MODEL (its norm)")
@@ -172,7 +164,7 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
         if dest.is_file():  # written atomically: present means complete
             skipped += 1
         else:
-            t, final_state = _load(by_id[sid])
+            t, final_state = read_hidden(by_id[sid])
             data = _speculators_file(t, final_state) if fmt == "speculators" else _specforge_file(t, final_state, norm)
             dest.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(dest, data)

@@ -32,6 +32,7 @@ import torch
 from eagle3q.config import Settings
 from eagle3q.eagle3.checkpoint import load_checkpoint, save_checkpoint
 from eagle3q.eagle3.distributed import all_reduce_floats, all_reduce_grads, rank_and_world
+from eagle3q.eagle3.extract import read_hidden
 from eagle3q.eagle3.manifest import Entry, Manifest
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
@@ -75,12 +76,7 @@ class Batch:
 
 
 def load_batch(path: Path, max_len: int) -> Batch:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        t = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")}
-    final_state = json.loads(meta.get("final_state", '"post_norm"'))
+    t, final_state = read_hidden(path)
     n = min(max_len, t["input_ids"].numel())
     return Batch(t["input_ids"][:n].long(), t["loss_mask"][:n].float(), t["aux_hidden_states"][:n].float(),
                  t["hidden_state"][:n].float(), final_state == "post_norm")
@@ -254,6 +250,16 @@ def _tensorboard(out: Path):  # noqa: ANN202 - a SummaryWriter, or None without 
     return SummaryWriter(log_dir=str(out / "tensorboard"))
 
 
+def sample_loss(model: Eagle3Draft, head: TargetHead, path: Path, s: Settings) -> tuple[torch.Tensor, StepStats] | None:
+    """One sample's TTT loss sum and step statistics (None for a sample too short to predict anything)."""
+    b = load_batch(path, s.max_len)
+    if b.input_ids.numel() < 3:
+        return None
+    with torch.no_grad():
+        target_p, in_vocab = head(b)
+    return ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)
+
+
 @torch.no_grad()
 def evaluate_files(model: Eagle3Draft, head: TargetHead, paths: list[Path], s: Settings) -> StepStats:
     """The step statistics over `paths` (shared out between data-parallel ranks, summed)."""
@@ -262,11 +268,9 @@ def evaluate_files(model: Eagle3Draft, head: TargetHead, paths: list[Path], s: S
     stats = StepStats.zeros(s.ttt_steps)
     rank, world = rank_and_world()
     for path in paths[rank::world]:
-        b = load_batch(path, s.max_len)
-        if b.input_ids.numel() < 3:
-            continue
-        target_p, in_vocab = head(b)
-        stats.add(ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)[1])
+        out = sample_loss(model, head, path, s)
+        if out is not None:
+            stats.add(out[1])
     model.train(was_training)
     return stats.reduced()
 
@@ -334,14 +338,11 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
         opt.zero_grad(set_to_none=True)
         stats = StepStats.zeros(s.ttt_steps)
         for e in batch[rank::world]:
-            b = load_batch(paths[e.sample_id], s.max_len)
-            if b.input_ids.numel() < 3:
+            out = sample_loss(model, head, paths[e.sample_id], s)
+            if out is None:
                 continue
-            with torch.no_grad():
-                target_p, in_vocab = head(b)
-            loss, st = ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)
-            (loss / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
-            stats.add(st)
+            (out[0] / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
+            stats.add(out[1])
         all_reduce_grads(params)  # the sum over ranks: the gradient one process would get on the whole batch
         stats = stats.reduced()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
