@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PEERS := speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 PEER_DEPS := openai==3.60.0 loguru==0.7.3
 
-.PHONY: install peers redis demo test lint bench clean
+.PHONY: install peers vllm-venv redis demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ $(VENV)/.peers: $(VENV)/.installed
 
 peers: $(VENV)/.peers
 
+# The conformance tier's own venv: vLLM 0.33.0's real server code on the CPU torch wheel (tests/conformance), ~2.5 GB,
+# built once and kept (the script does nothing when it is complete).
+VLLM_VENV ?= .venv-vllm
+vllm-venv:
+	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash tests/conformance/install_vllm.sh $(VLLM_VENV)
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
@@ -38,7 +44,7 @@ redis:
 demo: install redis
 	$(BIN)/eagle3q demo
 
-test: install peers redis
+test: install peers vllm-venv redis
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

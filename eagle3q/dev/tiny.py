@@ -91,3 +91,71 @@ def build_model(out_dir: Path, layers: int = 8, hidden: int = 64, seed: int = 0)
         model.model.norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+# Jinja chat templates of the supported families, rendering the generation prompt the way the real models' templates
+# do (the parts that decide the token stream: role tags, end-of-turn, the reasoning prefill and its switch). They are
+# what vLLM's own server applies to the tiny target in tests/conformance; `eagle3q.generate.templates.render_prompt`
+# must render the same text (tested).
+CHAT_TEMPLATES: dict[str, str] = {
+    # Kimi-K2.5: thinking on pre-fills <think>, off pre-fills <think></think> (switch: `thinking`).
+    "kimi_k2": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+        "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+        "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ m.content }}<|im_end|>{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+        "{%- endif -%}"
+    ),
+    # Kimi-K2-Thinking: the same turns, and no prefill: the model opens <think> itself.
+    "kimi_k2_thinking": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+        "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+        "{%- else -%}<|im_assistant|>assistant<|im_middle|>{{ m.content }}<|im_end|>{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    ),
+    # Qwen3: the model opens <think>; thinking off pre-fills an empty block (switch: `enable_thinking`).
+    "qwen3": (
+        "{%- for m in messages -%}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>{{ '\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}"
+        "{%- if enable_thinking is defined and not enable_thinking -%}<think>{{ '\\n\\n' }}</think>{{ '\\n\\n' }}"
+        "{%- endif -%}{%- endif -%}"
+    ),
+    # DeepSeek-R1 (updated template): "<think>\n" forced into the generation prompt; no switch.
+    "deepseek_r1": (
+        "<｜begin▁of▁sentence｜>"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{{ m.content }}"
+        "{%- elif m.role == 'user' -%}<｜User｜>{{ m.content }}"
+        "{%- else -%}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<｜Assistant｜><think>{{ '\\n' }}{%- endif -%}"
+    ),
+}
+
+
+def build_served_model(tiny_dir: Path, out_dir: Path, template: str) -> Path:
+    """The tiny target as a served model directory of one family: its weights and tokenizer, the family's chat
+    template and end-of-turn token as the tokenizer's eos (what vLLM stops on)."""
+    from tokenizers import Tokenizer
+
+    profile = PROFILES["kimi_k2" if template == "kimi_k2_thinking" else template]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "tokenizer.json"):
+        target = out_dir / name
+        if not target.exists():
+            target.symlink_to((tiny_dir / name).resolve())
+    eos_id = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).token_to_id(profile.end_of_turn)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["eos_token_id"] = eos_id
+    (out_dir / "config.json").write_text(json.dumps(config))
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    tok_cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    tok_cfg.update(eos_token=profile.end_of_turn, chat_template=CHAT_TEMPLATES[template])
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return out_dir
