@@ -51,6 +51,8 @@ class Generation:
     content: str | None
     finish_reason: str
     n_tokens: int
+    pieces: list[str] = field(default_factory=list)  # each generated token's text as vLLM's detokenizer streams it
+    reasoning_tokens: int = 0  # usage.completion_tokens_details.reasoning_tokens
 
 
 class Engine:
@@ -113,13 +115,50 @@ class Engine:
         if len(gen) > limit:
             gen, finish = gen[:limit], "length"
 
-        reasoning, content = self._parse(gen, thinking)
+        pieces = self._pieces(prompt_ids, gen, finish)
+        reasoning, content = self._parse(gen, pieces, thinking)
         if "leak" in faults and reasoning is not None:
             # A broken reasoning parser: everything lands in content, markers included.
-            content = self.tok.decode([t for t in gen if t != ids.end_id])
+            content = "".join(p for t, p in zip(gen, pieces, strict=True) if t != ids.end_id)
             reasoning = None
         n = len(gen)
-        return Generation(prompt_ids, None if "null_ids" in faults else gen, reasoning, content, finish, n)
+        return Generation(prompt_ids, None if "null_ids" in faults else gen, reasoning, content, finish, n,
+                          pieces=pieces, reasoning_tokens=self._reasoning_tokens(gen, thinking))
+
+    def _pieces(self, prompt_ids: list[int], gen: list[int], finish: str) -> list[str]:
+        """The text vLLM's incremental detokenizer gives for each token: a DecodeStream primed with the prompt, which
+        gives nothing while a character's bytes are incomplete and the held-back text with the token that completes
+        it (a trailing incomplete character never comes out); the end-of-turn token that stopped it gives none."""
+        stream_tok = getattr(self.tok, "_tok", None)
+        if stream_tok is None:  # not a `tokenizers` tokenizer: token by token
+            pieces = [self.tok.decode([t]) for t in gen]
+        else:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(ids=prompt_ids, skip_special_tokens=False)
+            pieces = [stream.step(stream_tok, t) or "" for t in gen]
+        if gen and finish == "stop" and gen[-1] == self.ids.end_id:
+            pieces[-1] = ""
+        return pieces
+
+    def _reasoning_tokens(self, gen: list[int], thinking: bool) -> int:
+        """vLLM's count: tokens inside the reasoning, the markers not counted. The deepseek_r1 parser counts only
+        between a generated <think> and </think> (none when the prompt opened it)."""
+        if not thinking:
+            return 0
+        ids = self.ids
+        if self.profile.name == "deepseek_r1":
+            count = depth = 0
+            for t in gen:
+                if t == ids.open_id:
+                    depth += 1
+                elif t == ids.close_id:
+                    depth = max(0, depth - 1)
+                elif depth:
+                    count += 1
+            return count
+        body = gen[: gen.index(ids.close_id)] if ids.close_id in gen else gen
+        return sum(1 for t in body if t not in (ids.open_id, ids.end_id))
 
     async def generate_async(self, messages: list[dict[str, str]], thinking: bool, max_tokens: int) -> Generation:
         if self.lm is None:
@@ -137,21 +176,22 @@ class Engine:
             )
         return self._gen_cache[key]
 
-    def _parse(self, gen: list[int], thinking: bool) -> tuple[str | None, str | None]:
+    def _parse(self, gen: list[int], pieces: list[str], thinking: bool) -> tuple[str | None, str | None]:
         """What vLLM's reasoning parser returns: text before `</think>` is reasoning; no close marker means the
-        whole output is reasoning. Special tokens are skipped in text, as with skip_special_tokens=True."""
+        whole output is reasoning. The text is the detokenizer's (`pieces`); the markers and the end of turn are
+        not in it."""
         ids = self.ids
-        specials = {ids.open_id, ids.close_id, ids.end_id}
+        skip = {ids.open_id, ids.close_id, ids.end_id}
 
-        def text(part: list[int]) -> str:
-            return self.tok.decode([t for t in part if t not in specials])
+        def text(lo: int, hi: int) -> str:
+            return "".join(p for t, p in zip(gen[lo:hi], pieces[lo:hi], strict=True) if t not in skip)
 
         if not thinking:
-            return None, text(gen)
+            return None, text(0, len(gen))
         if ids.close_id in gen:
             cut = gen.index(ids.close_id)
-            return text(gen[:cut]), text(gen[cut + 1 :])
-        return text(gen), None
+            return text(0, cut), text(cut + 1, len(gen))
+        return text(0, len(gen)), None
 
     # --- latency ---
     @contextlib.asynccontextmanager

@@ -18,6 +18,10 @@ from eagle3q.sim.faults import FAULTS, draw_transient, parse_faults
 __all__ = ["SimConfig", "Simulator", "parse_faults", "serve"]
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)  # vLLM's compact JSON
+
+
 class Simulator:
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
@@ -27,15 +31,20 @@ class Simulator:
         self.counters = self.engine.counters
         self.generate = self.engine.generate
         self._prompt_fault = self.engine._prompt_fault
+        self._fingerprint = uuid.uuid4().hex[:8]
         self.connector = None
         if cfg.hs_dir:
             from eagle3q.sim.hidden_states import ConnectorWriter
 
             self.connector = ConnectorWriter(cfg.target_model or cfg.tokenizer, cfg.hs_dir, cfg.hs_layer_ids or None)
 
-    def _error(self, status: int, message: str, kind: str) -> web.Response:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-        return web.json_response(body, status=status)
+    def _error(self, status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        return web.json_response(body, status=status, dumps=_dumps)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"vllm-{self.cfg.vllm_version}-{self._fingerprint}"
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.counters["requests"] += 1
@@ -46,7 +55,8 @@ class Simulator:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return self._error(400, "'messages' must be a non-empty list", "BadRequestError")
         if body.get("model") != self.cfg.model:
-            return self._error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+            return self._error(404, f"The model `{body.get('model')}` does not exist. Valid aliases: "
+                                    f"{self.cfg.model}.", "NotFoundError", "model")
 
         fault = draw_transient(self.cfg.faults, self.engine.rng)
         if fault is not None:
@@ -62,17 +72,20 @@ class Simulator:
         thinking = bool(kwargs.get(kw, True)) if kw else True
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         if max_tokens > self.cfg.max_model_len:  # vLLM refuses it outright, whatever the prompt
-            return self._error(400, f"max_tokens ({max_tokens}) cannot be greater than max_model_len "
-                                    f"({self.cfg.max_model_len})", "BadRequestError")
+            return self._error(400, f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                                    f"{self.cfg.max_model_len}. Please request fewer output tokens. "
+                                    f"(parameter=max_tokens, value={max_tokens})", "BadRequestError", "max_tokens")
 
         gen = await self.engine.generate_async(messages, thinking, max_tokens)
         n_prompt = len(gen.prompt_ids)
         if n_prompt >= self.cfg.max_model_len:
+            over = self.cfg.max_model_len + 1  # vLLM counts no further than one over the limit
             return self._error(
                 400,
-                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, your request has "
-                f"{n_prompt} input tokens. Please reduce the length of the input messages.",
-                "BadRequestError",
+                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, your prompt "
+                f"contains at least {over} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={over})",
+                "BadRequestError", "input_tokens",
             )
         if n_prompt + gen.n_tokens > self.cfg.max_model_len:  # vLLM caps the output at the context length
             gen = await self.engine.generate_async(messages, thinking, self.cfg.max_model_len - n_prompt)
@@ -82,11 +95,13 @@ class Simulator:
                 return await self._stream(request, body, gen)
             await asyncio.sleep(self.engine.duration_s(gen))
         self.engine.count(gen)
-        return web.json_response(self._response(body, gen))
+        return web.json_response(self._response(body, gen), dumps=_dumps)
 
     def _message(self, reasoning: str | None, content: str | None) -> dict[str, Any]:
+        # vLLM 0.33 sends no `tool_calls` key when there are none, and `reasoning` only (the old `reasoning_content`
+        # is an option, for clients of older servers).
         msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None, "tool_calls": [], "reasoning": reasoning}
+                               "audio": None, "function_call": None, "reasoning": reasoning}
         if self.cfg.expose_reasoning_content:
             msg["reasoning_content"] = reasoning
         return msg
@@ -106,19 +121,25 @@ class Simulator:
                     "finish_reason": gen.finish_reason,
                     "stop_reason": None,
                     "token_ids": gen.gen_ids if want_ids else None,
+                    "routed_experts": None,
+                    "weight_versions": None,
                 }
             ],
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "usage": {
                 "prompt_tokens": len(gen.prompt_ids),
                 "total_tokens": len(gen.prompt_ids) + gen.n_tokens,
                 "completion_tokens": gen.n_tokens,
                 "prompt_tokens_details": None,
+                "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
             },
             "prompt_logprobs": None,
             "prompt_token_ids": gen.prompt_ids if want_ids else None,
+            "prompt_text": None,
             "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
 
     async def _stream(self, request: web.Request, body: dict[str, Any], gen: Generation) -> web.StreamResponse:
@@ -130,34 +151,54 @@ class Simulator:
         async def send(choice: dict[str, Any], **top: Any) -> None:
             chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model,
                      "choices": [choice] if choice else [], **top}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(f"data: {_dumps(chunk)}\n\n".encode())
 
-        first_top = {"prompt_token_ids": gen.prompt_ids} if want_ids else {}
+        first_top = {"prompt_token_ids": gen.prompt_ids, "prompt_text": None} if want_ids else {}
         await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}, **first_top)
         await asyncio.sleep(self.cfg.ttft_s)
         ids = gen.gen_ids or []
+        # As vLLM streams: the markers give an empty delta (the parser consumes them), so does a token whose text
+        # the detokenizer holds back (an incomplete character); the last chunk carries the finish reason.
         in_reasoning = bool(gen.reasoning is not None) and self.profile.prompt_opens_think
-        specials = {self.ids.open_id, self.ids.close_id, self.ids.end_id}
+        markers = {self.ids.open_id, self.ids.close_id}
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        streamed_reasoning = 0  # vLLM's streaming count: reasoning tokens that gave text (held-back ones do not)
         for i, tid in enumerate(ids):
             if tid == self.ids.open_id:
                 in_reasoning = True
-            text = "" if tid in specials else self.tok.decode([tid])
-            delta = {"reasoning": text} if in_reasoning else {"content": text}
+            piece = gen.pieces[i] if i < len(gen.pieces) else ""
+            last = i == len(ids) - 1
+            key = "reasoning" if in_reasoning else "content"
+            if in_reasoning and piece and tid not in markers:
+                streamed_reasoning += 1
+            if tid in markers:
+                delta = {}
+            elif piece or key == "content":  # a held-back piece: an empty content delta, but no reasoning delta
+                delta = {key: piece}
+            else:
+                delta = {}
             if tid == self.ids.close_id:
                 in_reasoning = False
-            last = i == len(ids) - 1
-            finish = gen.finish_reason if last else None
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": gen.finish_reason if last else None}
+            if last:
+                choice["stop_reason"] = None
             if want_ids:
                 choice["token_ids"] = [tid]
-            await send(choice)
+            top: dict[str, Any] = {"kv_transfer_params": None}
+            if last:
+                choice["weight_versions"] = None
+                if not include_usage:
+                    top["system_fingerprint"] = self.fingerprint
+            await send(choice, **top)
             if not last:
                 await asyncio.sleep(self.cfg.itl_s)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.n_tokens,
-                     "total_tokens": len(gen.prompt_ids) + gen.n_tokens}
-            await send({}, usage=usage)
+        if include_usage:
+            n_reasoning = gen.reasoning_tokens if self.profile.name == "deepseek_r1" else streamed_reasoning
+            usage = {"prompt_tokens": len(gen.prompt_ids), "total_tokens": len(gen.prompt_ids) + gen.n_tokens,
+                     "completion_tokens": gen.n_tokens, "completion_tokens_details": {"reasoning_tokens": n_reasoning}}
+            await send({}, usage=usage, system_fingerprint=self.fingerprint)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.engine.count(gen)

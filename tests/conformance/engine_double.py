@@ -12,7 +12,8 @@ structure follows the prompt (an open `<think>` at the prompt's end starts insid
 starts in the answer; none: the model opens it), and a directive in the prompt text, `[[e3q key=value ...]]`,
 changes it for a request:
 
-    reason=N answer=N   tokens of reasoning / answer (default: 3..10 / 2..7, from a hash of the prompt)
+    reason=N answer=N   tokens of reasoning / answer (default: what the simulator generates for the prompt)
+    sample=1            sample the free text (seeded by the prompt) instead of greedy decoding
     close=N             how many `</think>` to emit (default 1; 0 = missing, 2 = twice)
     open=1              emit `<think>` first even where the prompt already opened it
     text=STRING         the answer's tokens are STRING's (URL-style %XX escapes allowed), instead of the model's
@@ -22,7 +23,12 @@ changes it for a request:
     finish=abort|error  end with that finish reason after `at=K` tokens (default: half the generation)
     itl=S ttft=S        inter-token latency / time to first token of this request, seconds
 
-Environment: E3Q_DOUBLE_ITL_S (default 0.002), E3Q_DOUBLE_TTFT_S (0.01).
+Without a directive the double generates exactly what `eagle3q sim --target-model` generates for the same prompt
+(greedy, the same lengths, the same suppressed tokens), so the simulator and vLLM's real frontend can be compared
+response for response (tests/conformance/test_sim_agrees.py).
+
+Environment: E3Q_DOUBLE_ITL_S (default 0.002), E3Q_DOUBLE_TTFT_S (0.01), E3Q_DOUBLE_MEAN_TOKENS (16: the
+simulator's --mean-output-tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import time
 import urllib.parse
 from collections import deque
@@ -40,11 +47,13 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
-
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from eagle3q.sim.textgen import output_lengths  # noqa: E402 - pure Python: the simulator's own lengths
 
 log = logging.getLogger("engine_double")
 DIRECTIVE = re.compile(r"\[\[e3q ([^\]]*)\]\]")
@@ -88,6 +97,7 @@ class EngineDouble:
         self.tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         added = self.tok.get_added_tokens_decoder()
         self.special_ids = sorted(added)
+        self.mean_tokens = int(os.environ.get("E3Q_DOUBLE_MEAN_TOKENS", "16"))
         self.id_of = {t.content: i for i, t in added.items()}
         self.open_id, self.close_id = self.id_of["<think>"], self.id_of["</think>"]
         self.itl_s = float(os.environ.get("E3Q_DOUBLE_ITL_S", "0.002"))
@@ -204,10 +214,14 @@ class EngineDouble:
         text = self.tok.decode(prompt, skip_special_tokens=False)
         found = DIRECTIVE.findall(text)
         d = dict(kv.split("=", 1) for kv in found[-1].split() if "=" in kv) if found else {}
-        h = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
-        n_reason = int(d.get("reason", 3 + h % 8))
-        n_answer = int(d.get("answer", 2 + (h >> 4) % 6))
-        eos = req.sampling_params.eos_token_id if d.get("eos", "1") != "0" else None
+        n_reason, n_answer = output_lengths(text, self.mean_tokens)
+        n_reason, n_answer = int(d.get("reason", n_reason)), int(d.get("answer", n_answer))
+        eos_id = req.sampling_params.eos_token_id
+        eos = eos_id if d.get("eos", "1") != "0" else None
+        # The simulator's greedy decoding never emits the markers, the end of turn or id 0; sampling avoids them all.
+        suppress = self.special_ids if d.get("sample") == "1" else sorted(
+            {self.open_id, self.close_id, 0} | ({eos_id} if eos_id is not None else set()))
+        sample = d.get("sample") == "1"
 
         # Where the stream starts: inside the reasoning when the prompt's last marker is an open <think>, in the
         # answer when it is a </think> (thinking off), and the model opens <think> itself when there is none.
@@ -217,12 +231,12 @@ class EngineDouble:
         if last != self.close_id or think:
             if last is None or d.get("open") == "1" or (think and last == self.close_id):
                 tokens.append(self.open_id)
-            tokens += self._free(prompt + tokens, n_reason)
+            tokens += self._free(prompt + tokens, n_reason, suppress, sample)
             tokens += [self.close_id] * int(d.get("close", 1))
         if "text" in d:
             answer = self.tok.encode(urllib.parse.unquote(d["text"]), add_special_tokens=False).ids
         else:
-            answer = self._free(prompt + tokens, n_answer)
+            answer = self._free(prompt + tokens, n_answer, suppress, sample)
         cut = int(d.get("cut", 0))
         tokens += answer[: len(answer) - cut] if cut else answer
         if eos is not None:
@@ -233,23 +247,24 @@ class EngineDouble:
             plan.finish_at = int(d.get("at", len(tokens) // 2))
         return plan
 
-    def _free(self, prefix: list[int], n: int) -> list[int]:
-        """n tokens sampled from the tiny target, never one of the tokenizer's special tokens; seeded by the prefix,
-        so the same prompt gives the same generation (cached)."""
-        key = (tuple(prefix), n)
+    def _free(self, prefix: list[int], n: int, suppress: list[int], sample: bool) -> list[int]:
+        """n tokens from the tiny target, greedy or sampled (seeded by the prefix), never a suppressed one; the same
+        prompt gives the same generation (cached)."""
+        key = (tuple(prefix), n, tuple(suppress), sample)
         if key not in self.plans:
-            seed = int(hashlib.sha256(str(key).encode()).hexdigest()[:8], 16)
-            gen = torch.Generator().manual_seed(seed)
+            seed = int(hashlib.sha256(str(key[:2]).encode()).hexdigest()[:8], 16)
+            gen = torch.Generator().manual_seed(seed) if sample else None
             out: list[int] = []
             for _ in range(n):
-                out.append(self._next_free_token(prefix + out, gen))
+                out.append(self._next_free_token(prefix + out, suppress, gen))
             self.plans[key] = out
         return self.plans[key]
 
     @torch.inference_mode()
-    def _next_free_token(self, ids: list[int], gen: torch.Generator | None = None) -> int:
-        logits = self.model(torch.tensor([ids[-512:]])).logits[0, -1]
-        logits[self.special_ids] = float("-inf")
+    def _next_free_token(self, ids: list[int], suppress: list[int] | None = None,
+                         gen: torch.Generator | None = None) -> int:
+        logits = self.model(torch.tensor([ids])).logits[0, -1]
+        logits[suppress if suppress is not None else self.special_ids] = float("-inf")
         if gen is None:
             return int(logits.argmax())
         return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
