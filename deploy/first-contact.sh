@@ -14,19 +14,28 @@ AUTH=()
 if [ -n "${VLLM_API_KEY:-}" ]; then AUTH=(-H "Authorization: Bearer ${VLLM_API_KEY}"); fi
 ROOT="${BASE%/v1}"
 
-post() {  # post PATH JSON
-  curl -fsS "${AUTH[@]}" -H 'Content-Type: application/json' -d "$2" "${BASE}$1"
+post() {  # post PATH JSON (an error's body is printed: it names the problem)
+  curl -sS --fail-with-body "${AUTH[@]}" -H 'Content-Type: application/json' -d "$2" "${BASE}$1"
 }
 
 echo "== server: ${BASE} (model ${MODEL})"
 curl -fsS "${AUTH[@]}" "${ROOT}/version" 2>/dev/null && echo || echo "(no /version)"
 CLOSE=$(curl -fsS "${AUTH[@]}" -H 'Content-Type: application/json' \
   -d "{\"model\": \"${MODEL}\", \"prompt\": \"</think>\", \"add_special_tokens\": false}" "${ROOT}/tokenize")
+# max_tokens within the served context: vLLM refuses a max_tokens over --max-model-len outright (400).
+MAX_LEN=$(curl -fsS "${AUTH[@]}" "${BASE}/models" | MODEL="${MODEL}" python3 -c '
+import json, os, sys
+data = json.load(sys.stdin).get("data") or [{}]
+m = next((d for d in data if d.get("id") == os.environ["MODEL"]), data[0])
+print(m.get("max_model_len") or 0)')
+MAX_TOKENS=2048
+if [ "${MAX_LEN}" -gt 0 ] && [ $((MAX_LEN / 2)) -lt "${MAX_TOKENS}" ]; then MAX_TOKENS=$((MAX_LEN / 2)); fi
+echo "== max_model_len ${MAX_LEN}: max_tokens ${MAX_TOKENS}"
 FAIL=0
 for THINKING in true false; do
   BODY=$(cat <<JSON
 {"model": "${MODEL}", "messages": [{"role": "user", "content": "What is 17 times 23? Answer briefly."}],
- "max_tokens": 2048, "temperature": 0.6, "top_p": 0.95, "return_token_ids": true, "skip_special_tokens": false,
+ "max_tokens": ${MAX_TOKENS}, "temperature": 0.6, "top_p": 0.95, "return_token_ids": true, "skip_special_tokens": false,
  "chat_template_kwargs": {"thinking": ${THINKING}, "enable_thinking": ${THINKING}}}
 JSON
 )
