@@ -8,10 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The peers' own code for tests/peers (their readers, converter and vocab functions run on what we write):
-# --no-deps, since their pins (transformers, datasets) would downgrade ours; plus the two packages their code
-# paths import that we do not.
+# --no-deps, since their pins (transformers, datasets) would downgrade ours; plus the package their code paths
+# import that we do not (openai is ours already).
 PEERS := speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
-PEER_DEPS := openai==3.60.0 loguru==0.7.3
+PEER_DEPS := loguru==0.7.3
 
 .PHONY: install peers vllm-venv redis demo test lint bench clean
 

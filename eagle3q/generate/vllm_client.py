@@ -1,5 +1,11 @@
 """The client of vLLM's OpenAI-compatible server: one chat completion with the exact token ids, and a clear split of
-errors into transient (retried with backoff) and permanent (rejected with a reason)."""
+errors into transient (retried with backoff) and permanent (rejected with a reason).
+
+Requests go through the official `openai` SDK (vLLM's own fields in `extra_body`), with the SDK's retries off: retries,
+backoff and timeouts are eagle3q's policy (the task retries with jitter; a retried request must not run twice inside
+one task's lease). The response is read as raw JSON, not as the SDK's models: the token ids stay exactly as sent,
+vLLM's extra fields are all there, and parsing stays cheap. Side calls (`/v1/models`, `/version`, `/metrics`) use the
+plain `http` client."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
 
@@ -68,7 +75,7 @@ class ChatRequest:
         return body
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(resp: Any) -> str:  # an httpx or httpx2 Response
     try:
         data = resp.json()
         if isinstance(data, dict):
@@ -87,38 +94,64 @@ class VLLMClient:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         self.http = httpx.Client(headers=headers, timeout=timeout, limits=limits)
+        self._api_key = api_key or "EMPTY"  # vLLM without --api-key ignores it; the SDK wants one
+        self._timeout_s = timeout_s
+        self._max_connections = max_connections
+        self._sdk: dict[str, openai.OpenAI] = {}
 
     def close(self) -> None:
         self.http.close()
+        for client in self._sdk.values():
+            client.close()
+
+    def sdk(self, base_url: str) -> openai.OpenAI:
+        """One SDK client per endpoint, sized for this consumer's threads, without the SDK's own retries."""
+        client = self._sdk.get(base_url)
+        if client is None:
+            import httpx2  # the SDK's HTTP library
+
+            limits = httpx2.Limits(max_connections=self._max_connections,
+                                   max_keepalive_connections=self._max_connections)
+            client = openai.OpenAI(
+                base_url=base_url.rstrip("/"), api_key=self._api_key, max_retries=0,
+                timeout=httpx2.Timeout(self._timeout_s, connect=min(self._timeout_s, 10.0)),
+                http_client=httpx2.Client(limits=limits))
+            self._sdk[base_url] = client
+        return client
 
     def chat(self, base_url: str, req: ChatRequest) -> dict[str, Any]:
-        url = base_url.rstrip("/") + "/chat/completions"
+        body = req.body()
+        extra = {k: v for k, v in body.items()
+                 if k not in ("model", "messages", "temperature", "top_p", "max_tokens", "stream")}
         try:
-            resp = self.http.post(url, json=req.body())
-        except httpx.TimeoutException as e:
-            raise TransientError("timeout", f"{type(e).__name__} after the request timeout", base_url) from e
-        except httpx.ConnectError as e:
-            raise TransientError("connect", str(e) or type(e).__name__, base_url) from e
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-            raise TransientError("dropped", str(e) or type(e).__name__, base_url) from e
-        status = resp.status_code
-        if status in TRANSIENT_STATUS or status >= 500:
-            raise TransientError(f"http_{status}", _error_message(resp), base_url)
-        if status == 400:
-            msg = _error_message(resp)
-            low = msg.lower()
-            # Every context error (prompt over the context, max_tokens over max_model_len) by one name.
-            context = ("context length" in low or "too long" in low or "max_model_len" in low
-                       or "too large" in low)
-            reason = "prompt_too_long" if context else "bad_request"
-            raise PermanentError(reason, msg)
-        if status >= 400:
-            raise PermanentError(f"http_{status}", _error_message(resp))
+            raw = self.sdk(base_url).chat.completions.with_raw_response.create(
+                model=req.model, messages=req.messages, temperature=req.temperature, top_p=req.top_p,  # type: ignore[arg-type]
+                max_tokens=req.max_tokens, stream=False, extra_body=extra)
+            resp = raw.http_response
+        except openai.APITimeoutError as e:
+            raise TransientError("timeout", "no response within the request timeout", base_url) from e
+        except openai.APIConnectionError as e:
+            cause = type(e.__cause__).__name__ if e.__cause__ is not None else ""
+            kind = "connect" if cause.startswith("Connect") else "dropped"
+            raise TransientError(kind, f"{cause or type(e).__name__}: {e.__cause__ or e}", base_url) from e
+        except openai.APIStatusError as e:
+            raise _status_error(e.status_code, _error_message(e.response), base_url) from e
         try:
-            data = resp.json()
+            data = json.loads(resp.content)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             # A proxy's HTML error page or a cut body: the server may answer properly next time.
             raise TransientError("bad_response", f"response is not JSON: {resp.text[:200]!r}", base_url) from e
         if not isinstance(data, dict):
             raise TransientError("bad_response", "response is not a JSON object", base_url)
         return data
+
+
+def _status_error(status: int, msg: str, base_url: str) -> Exception:
+    if status in TRANSIENT_STATUS or status >= 500:
+        return TransientError(f"http_{status}", msg, base_url)
+    if status == 400:
+        low = msg.lower()
+        # Every context error (prompt over the context, max_tokens over max_model_len) by one name.
+        context = "context length" in low or "too long" in low or "max_model_len" in low or "too large" in low
+        return PermanentError("prompt_too_long" if context else "bad_request", msg)
+    return PermanentError(f"http_{status}", msg)
