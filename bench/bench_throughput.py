@@ -1,11 +1,14 @@
-"""(a) eagle3q end-to-end req/s vs the ideal max_num_seqs / latency and vs a plain asyncio + semaphore client at
-the same concurrency, against the same simulator, in the same run."""
+"""(a) eagle3q end-to-end req/s vs the ideal max_num_seqs / latency, vs a plain asyncio + semaphore client and vs
+speculators' own response-regeneration client (its wheel, `make peers`), at the same concurrency, against the same
+simulator, with the same prompts, in the same run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from pathlib import Path
 
 import httpx
 from common import report, stack, synthetic_dataset, tiny_target, workdir
@@ -13,6 +16,7 @@ from common import report, stack, synthetic_dataset, tiny_target, workdir
 from eagle3q.sources import Prompt, iter_prompts
 
 C = 32  # requests in flight (and the simulator's max_num_seqs)
+PROCS = int(os.environ.get("EAGLE3Q_BENCH_PROCS", "2"))  # consumer processes sharing the C threads
 N = 1600  # ~30 s per client: start-up and the last wave weigh as little as in a real (hours-long) run
 SIM = ["--ttft", "0.3", "--itl", "0.003", "--mean-output-tokens", "100", "--max-num-seqs", str(C)]
 
@@ -38,6 +42,31 @@ async def plain_client(url: str, prompts: list[list[dict]], concurrency: int) ->
         return len(prompts) / (time.monotonic() - t0), sum(latencies) / len(latencies)
 
 
+def speculators_client(url: str, data: Path, tokenizer: Path, n: int, concurrency: int, out: Path) -> float | None:
+    """speculators' `regenerate_responses` (its aiohttp workers, request, retries and sample building) over the same
+    prompts. Returns req/s, or None when the peer is not installed."""
+    import importlib
+
+    try:  # the module, not the function of the same name that `speculators.cli` exports
+        regen = importlib.import_module("speculators.cli.regenerate_responses")
+    except ImportError:
+        return None
+    from eagle3q.generate.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer))
+    regen.build_detokenizer = lambda model: tok.decode  # its --model is our served name, not a tokenizer path
+    t0 = time.monotonic()
+    asyncio.run(regen._run(
+        endpoint=f"{url}/chat/completions", model="moonshotai/Kimi-K2.5", dataset_name=str(data), split=None,
+        subset=None, limit=n, concurrency=concurrency, max_tokens=4096, sampling_params={}, outfile=str(out),
+        resume=False, language_filter=None, max_retries=3, reasoning_effort_dist=None, temperature_dist=None,
+        seed=0))
+    rps = n / (time.monotonic() - t0)
+    rows = sum(1 for _ in out.open())
+    assert rows == n, f"speculators wrote {rows} of {n} samples"
+    return rps
+
+
 def main() -> dict:
     base = workdir("throughput")
     tiny = tiny_target(base)
@@ -47,8 +76,9 @@ def main() -> dict:
     try:
         plain_rps, latency = asyncio.run(plain_client(st.sim_urls[0], prompts, C))
         ideal = C / latency
-        for _ in range(2):
-            st.worker("inference", concurrency=C // 2)
+        peer_rps = speculators_client(st.sim_urls[0], data, tiny, N, C, base / "speculators.jsonl")
+        for _ in range(PROCS):
+            st.worker("inference", concurrency=C // PROCS)
         t0 = time.monotonic()
         st.enqueue(data, "bench")
         st.wait_settled("bench", timeout_s=600)
@@ -65,9 +95,11 @@ def main() -> dict:
         ("plain asyncio + semaphore client", f"{plain_rps:.1f} req/s ({plain_rps / ideal:.3f} of ideal)"),
         ("eagle3q (enqueue -> validated samples on disk)", f"{ours:.1f} req/s ({ours / ideal:.3f} of ideal)"),
         ("mean request latency seen by eagle3q consumers", f"{our_latency:.3f} s"),
-        ("eagle3q / plain client", f"{ours / plain_rps:.3f}  (goal >= 0.97)"),
-    ])
-    return {"ideal": ideal, "plain": plain_rps, "eagle3q": ours, "ratio": ours / plain_rps}
+        ("speculators' regenerate_responses", f"{peer_rps:.1f} req/s ({peer_rps / plain_rps:.3f} of plain)"
+         if peer_rps else "not installed (make peers)"),
+        ("eagle3q / plain client", f"{ours / plain_rps:.3f}  (goal >= 0.99)"),
+    ] + ([("eagle3q / speculators' client", f"{ours / peer_rps:.3f}")] if peer_rps else []))
+    return {"ideal": ideal, "plain": plain_rps, "eagle3q": ours, "ratio": ours / plain_rps, "speculators": peer_rps}
 
 
 if __name__ == "__main__":

@@ -177,7 +177,11 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
     if limit is not None:
         # Sized to the context: vLLM refuses max_tokens over max_model_len, and silently caps prompt + max_tokens
         # over it (the sample then ends as `truncated`).
-        room = limit - len(ctx.tokenizer.encode(render_prompt(rp.profile, messages, task.thinking)))
+        prompt = render_prompt(rp.profile, messages, task.thinking)
+        # A token covers at least one byte of the text (byte-level BPE, tiktoken; SentencePiece adds at most a
+        # prefix space): when the bytes fit, so do the tokens, and the hot path skips the tokenizer.
+        fits = len(prompt.encode()) + 16 + max_tokens <= limit
+        room = limit if fits else limit - len(ctx.tokenizer.encode(prompt))
         if room <= 0:
             ctx.endpoints.release(url, True)
             _reject(ctx, task, "prompt_too_long", f"the prompt fills the context of {limit} tokens", None)

@@ -1,30 +1,16 @@
 """The conformance tier: vLLM 0.33.0's own OpenAI server (its venv `.venv-vllm`, built by `make vllm-venv`, which
-`make test` runs) with only the engine core swapped for the test double in `engine_double.py`, started through
-`vllm serve`'s own argument parsing. A missing venv stops the run with the command that builds it, rather than
-skipping: these tests are the authority on the wire."""
+`make test` runs) with only the engine core swapped for the test double in `engine_double.py`. A missing venv stops
+the run with the command that builds it, rather than skipping: these tests are the authority on the wire. The servers
+live as long as this package's tests (about 650 MB each)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from eagle3q.dev.local import free_port
-from eagle3q.dev.tiny import build_served_model
-
-ROOT = Path(__file__).parents[2]
-VLLM_VENV = Path(os.environ.get("EAGLE3Q_VLLM_VENV", ROOT / ".venv-vllm"))
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-SERVE = Path(__file__).parent / "serve.py"
-MODEL = "moonshotai/Kimi-K2.5"
-MAX_MODEL_LEN = 1024
+from tests.conformance.vllm_server import VLLM_PYTHON, VLLM_VENV, VLLMServer, start_vllm
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,65 +18,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"tests/conformance needs vLLM's venv at {VLLM_VENV}: build it with `make vllm-venv`")
 
 
-@dataclass
-class VLLMServer:
-    """One `vllm serve` process (real frontend, engine double) on a free port."""
-
-    template: str
-    parser: str
-    url: str  # .../v1
-    model_dir: Path
-    proc: subprocess.Popen
-    log: Path
-
-    @property
-    def root(self) -> str:
-        return self.url.removesuffix("/v1")
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def start_vllm(tiny: Path, workdir: Path, template: str, parser: str, extra: list[str] | None = None,
-               env: dict[str, str] | None = None) -> VLLMServer:
-    model_dir = build_served_model(tiny, workdir / f"model-{template}", template)
-    port = free_port()
-    log = workdir / f"vllm-{template}-{parser}-{port}.log"
-    args = [str(VLLM_PYTHON), str(SERVE), str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", MODEL, "--reasoning-parser", parser, "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", "16", "--disable-uvicorn-access-log", *(extra or [])]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("EAGLE3Q_", "VIRTUAL_ENV"))}
-    child_env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                      "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                      **(env or {})})
-    with log.open("ab") as f:
-        proc = subprocess.Popen(args, env=child_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=workdir)
-    server = VLLMServer(template, parser, f"http://127.0.0.1:{port}/v1", model_dir, proc, log)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.root}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise TimeoutError(f"vllm serve not up after 180 s:\n{server.log_tail()}")
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_factory(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., VLLMServer]]:
     """vllm_factory(template, parser, *flags) -> a server, shared by every test asking for the same one."""
     workdir = tmp_path_factory.mktemp("vllm")
@@ -107,7 +35,7 @@ def vllm_factory(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kimi(vllm_factory: Callable[..., VLLMServer]) -> VLLMServer:
     """Kimi-K2.5's template and vLLM's kimi_k2 reasoning parser (the reference deployment)."""
     return vllm_factory("kimi_k2", "kimi_k2")

@@ -16,7 +16,7 @@ from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import FastTokenizer
 from eagle3q.generate.validation import Verdict, validate
 from eagle3q.generate.vllm_client import ChatRequest, PermanentError, TransientError, VLLMClient
-from tests.conformance.conftest import MAX_MODEL_LEN, MODEL, VLLMServer
+from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer
 
 
 def ask(server: VLLMServer, text: str, profile: str, thinking: bool = True, max_tokens: int = 200,

@@ -18,7 +18,7 @@ from eagle3q.control.inflight import InflightLimiter
 from eagle3q.dev.local import RedisServer
 from eagle3q.generate.endpoints import EndpointPool
 from eagle3q.generate.vllm_client import ChatRequest, TransientError, VLLMClient
-from tests.conformance.conftest import MODEL, VLLMServer
+from tests.conformance.vllm_server import MODEL, VLLMServer
 
 
 def slow_request(i: int, itl: float = 0.02, answer: int = 12) -> ChatRequest:

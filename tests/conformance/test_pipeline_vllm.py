@@ -12,7 +12,7 @@ import httpx
 
 from eagle3q.dev.local import child_env
 from eagle3q.dev.tiny import SAMPLE_DATASET
-from tests.conformance.conftest import MAX_MODEL_LEN, MODEL, VLLMServer
+from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer
 
 ROOT = Path(__file__).parents[2]
 

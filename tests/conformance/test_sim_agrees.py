@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from eagle3q.dev.local import start_sim
-from tests.conformance.conftest import MAX_MODEL_LEN, MODEL, VLLMServer
+from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer
 
 VOLATILE = {"id", "created", "system_fingerprint"}  # differ between any two responses, compared by type only
 PROFILES = [("kimi_k2", "kimi_k2"), ("qwen3", "qwen3"), ("deepseek_r1", "deepseek_r1")]

@@ -1,0 +1,52 @@
+"""The draft checkpoint eagle3q exports, read by vLLM 0.33's own code: its engine configuration with
+`--speculative-config {"method": "eagle3", "model": EXPORT}`, the aux layer ids as its worker reads them, and its
+Eagle-3 Llama model class loading the weights (issue 12, item 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from eagle3q.dev.local import free_port
+from eagle3q.dev.tiny import build_served_model
+from eagle3q.eagle3.export import export_draft
+from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+from eagle3q.eagle3.target import load_target_tensors, target_config
+from eagle3q.eagle3.vocab import build_mapping
+from tests.conformance.vllm_server import VLLM_PYTHON
+
+READER = Path(__file__).with_name("read_export.py")
+
+
+def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path) -> None:
+    tc, tensors = target_config(tiny), load_target_tensors(tiny)
+    torch.manual_seed(0)
+    c = DraftConfig.from_target(tc, 256)
+    draft = Eagle3Draft(c, tensors["embed"])
+    for p in draft.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), 256)
+    aux = [2, 4, 5]  # vLLM's convention, for the 8-layer tiny target
+    export_draft(tmp_path / "export", draft, c, d2t, t2d, aux)
+    target = build_served_model(tiny, tmp_path / "target", "kimi_k2")
+
+    r = subprocess.run([str(VLLM_PYTHON), str(READER), str(target), str(tmp_path / "export"), str(free_port())],
+                       capture_output=True, text=True, timeout=300, env={"VLLM_TARGET_DEVICE": "cpu",
+                                                                         "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["method"] == "eagle3"
+    assert report["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert report["draft_vocab_size"] == 256 and report["target_hidden_size"] == tc["hidden_size"]
+    # The ids vLLM's worker captures: our top-level key, in layer order (not the target's default ids).
+    assert report["aux_layer_ids"] == aux
+    params = report["params"]
+    # Every parameter vLLM has holds our tensor, fused as vLLM fuses them; the embeddings come from the target.
+    assert params.pop("model.embed_tokens.weight") is None
+    assert params and all(params.values()), params
+    assert {"draft_id_to_target_id", "model.fc.weight", "lm_head.weight", "model.norm.weight",
+            "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.hidden_norm.weight"} <= set(params)
