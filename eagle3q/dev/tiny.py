@@ -139,9 +139,11 @@ CHAT_TEMPLATES: dict[str, str] = {
 }
 
 
-def build_served_model(tiny_dir: Path, out_dir: Path, template: str) -> Path:
+def build_served_model(tiny_dir: Path, out_dir: Path, template: str, extra_eos: tuple[str, ...] = ()) -> Path:
     """The tiny target as a served model directory of one family: its weights and tokenizer, the family's chat
-    template and end-of-turn token as the tokenizer's eos (what vLLM stops on)."""
+    template and end-of-turn token as the tokenizer's eos (what vLLM stops on). `extra_eos`: more stop tokens in
+    generation_config.json, as real models list them (Qwen3: `<|im_end|>` and `<|endoftext|>`); vLLM reports the
+    one that stopped a generation in `stop_reason`."""
     from tokenizers import Tokenizer
 
     profile = PROFILES["kimi_k2" if template == "kimi_k2_thinking" else template]
@@ -154,7 +156,9 @@ def build_served_model(tiny_dir: Path, out_dir: Path, template: str) -> Path:
     config = json.loads((tiny_dir / "config.json").read_text())
     config["eos_token_id"] = eos_id
     (out_dir / "config.json").write_text(json.dumps(config))
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    eos: int | list[int] = [eos_id, *(tok.token_to_id(t) for t in extra_eos)] if extra_eos else eos_id
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     tok_cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())
     tok_cfg.update(eos_token=profile.end_of_turn, chat_template=CHAT_TEMPLATES[template])
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))

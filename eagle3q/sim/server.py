@@ -206,7 +206,9 @@ class Simulator:
 
     async def _transient(self, name: str, request: web.Request) -> web.StreamResponse:
         if name == "5xx":
-            return self._error(503, "Service temporarily unavailable (simulated)", "ServiceUnavailableError")
+            # vLLM's answer when its queue is full (--max-num-queued-reqs): the one 5xx it sends under load.
+            return self._error(503, "The engine is currently busy and cannot accept new requests. Please try again "
+                                    "later or on a different instance.", "Service Unavailable")
         if name == "429":
             return self._error(429, "Too many requests (simulated)", "RateLimitError")
         if name == "drop":
@@ -237,8 +239,12 @@ class Simulator:
             "model": self.cfg.model,
             "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
                          "token_ids": [0], "prompt_logprobs": None,
-                         "prompt_token_ids": prompt if body.get("return_token_ids") else None}],
-            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 1, "completion_tokens": 1},
+                         "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+                         "routed_experts": None, "weight_versions": None}],
+            "service_tier": None, "system_fingerprint": self.fingerprint,
+            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 1, "completion_tokens": 1,
+                      "prompt_tokens_details": None, "completion_tokens_details": None},
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
         if self.connector is not None:
             path = await asyncio.get_running_loop().run_in_executor(None, self.connector.write, prompt)

@@ -19,6 +19,7 @@ changes it for a request:
     text=STRING         the answer's tokens are STRING's (URL-style %XX escapes allowed), instead of the model's
     cut=N               drop the last N tokens of the answer (e.g. cut an emoji's bytes in two)
     eos=0               never end the turn (the request runs into max_tokens or the context)
+    end=TOKEN           end the turn with TOKEN instead of the eos (another stop token of the model's)
     think=1             a reasoning block even where the prompt closed it (thinking off)
     finish=abort|error  end with that finish reason after `at=K` tokens (default: half the generation)
     itl=S ttft=S        inter-token latency / time to first token of this request, seconds
@@ -218,6 +219,8 @@ class EngineDouble:
         n_reason, n_answer = int(d.get("reason", n_reason)), int(d.get("answer", n_answer))
         eos_id = req.sampling_params.eos_token_id
         eos = eos_id if d.get("eos", "1") != "0" else None
+        if "end" in d:
+            eos = self.id_of[urllib.parse.unquote(d["end"])]
         # The simulator's greedy decoding never emits the markers, the end of turn or id 0; sampling avoids them all.
         suppress = self.special_ids if d.get("sample") == "1" else sorted(
             {self.open_id, self.close_id, 0} | ({eos_id} if eos_id is not None else set()))

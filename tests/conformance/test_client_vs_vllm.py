@@ -16,7 +16,7 @@ from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import FastTokenizer
 from eagle3q.generate.validation import Verdict, validate
 from eagle3q.generate.vllm_client import ChatRequest, PermanentError, TransientError, VLLMClient
-from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer
+from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer, start_vllm
 
 
 def ask(server: VLLMServer, text: str, profile: str, thinking: bool = True, max_tokens: int = 200,
@@ -192,3 +192,21 @@ def test_models_reports_max_model_len_and_version_passes_the_floor(kimi: VLLMSer
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     with httpx.Client() as http:
         assert check_version(http, kimi.url, get_profile("kimi_k2").min_vllm, "kimi_k2") == "0.33.0"
+
+
+def test_a_second_stop_token_reported_in_stop_reason_is_accepted(tiny, tmp_path) -> None:  # noqa: ANN001
+    """A model with two stop tokens in its generation_config (Qwen3 lists `<|im_end|>` and `<|endoftext|>`): vLLM
+    stops on the second too and reports its id in `stop_reason`; it is in token_ids, not in the text."""
+    server = start_vllm(tiny, tmp_path, "qwen3", "qwen3", extra_eos=("<|im_start|>",))
+    try:
+        tok = FastTokenizer(server.model_dir / "tokenizer.json")
+        second = tok.token_to_id("<|im_start|>")
+        raw, v = ask(server, "two stops " + directive(end="<|im_start|>"), "qwen3")
+        choice = raw["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == second
+        assert choice["token_ids"][-1] == second and "<|im_start|>" not in (choice["message"]["content"] or "")
+        assert v.ok, (v.reason, v.detail)
+        raw, v = ask(server, "one stop", "qwen3")  # the usual end of turn: no stop_reason
+        assert raw["choices"][0]["stop_reason"] is None and v.ok
+    finally:
+        server.stop()

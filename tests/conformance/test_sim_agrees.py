@@ -140,3 +140,35 @@ def test_side_routes_agree(pair: tuple[str, str, str]) -> None:
     tok_sim = httpx.post(root_sim + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
     d = diff(tok_real, tok_sim)
     assert not d, "\n".join(d)
+
+
+def test_overload_answer_agrees(vllm_factory: Callable[..., VLLMServer], tmp_path: Path) -> None:
+    """The simulator's `5xx` fault is the 503 vLLM sends when its queue is full (`--max-num-queued-reqs`)."""
+    server = vllm_factory("kimi_k2", "kimi_k2", "--max-num-queued-reqs", "0")
+    proc, sim_url = start_sim(str(server.model_dir), tmp_path, extra=["--faults", "5xx=1.0"])
+    try:
+        real, sim = both("POST", "/chat/completions", server.url, sim_url, json=chat_body("kimi_k2", "hi"))
+    finally:
+        proc.kill()
+    assert real.status_code == sim.status_code == 503
+    d = diff(real.json(), sim.json())
+    assert not d, "\n".join(d)
+
+
+def test_completions_with_token_ids_agree_in_shape(pair: tuple[str, str, str]) -> None:
+    """`/v1/completions` with a token-id prompt (the hidden-state extraction call): the same fields and types."""
+
+    def shape(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: shape(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [shape(x[0])] if x else []
+        return type(x).__name__
+
+    _, vllm_url, sim_url = pair
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 1, "return_token_ids": True}
+    real, sim = both("POST", "/completions", vllm_url, sim_url, json=body)
+    assert real.status_code == sim.status_code == 200
+    assert real.json()["choices"][0]["prompt_token_ids"] == sim.json()["choices"][0]["prompt_token_ids"]
+    d = diff(shape(normalise(real.json())), shape(normalise(sim.json())))
+    assert not d, "\n".join(d)

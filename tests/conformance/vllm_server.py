@@ -52,8 +52,9 @@ class VLLMServer:
 
 
 def start_vllm(tiny: Path, workdir: Path, template: str, parser: str, extra: list[str] | None = None,
-               env: dict[str, str] | None = None) -> VLLMServer:
-    model_dir = build_served_model(tiny, workdir / f"model-{template}", template)
+               env: dict[str, str] | None = None, extra_eos: tuple[str, ...] = ()) -> VLLMServer:
+    name = "-".join((template, *(t.strip("<|>") for t in extra_eos)))
+    model_dir = build_served_model(tiny, workdir / f"model-{name}", template, extra_eos)
     port = free_port()
     log = workdir / f"vllm-{template}-{parser}-{port}.log"
     args = [str(VLLM_PYTHON), str(SERVE), str(model_dir), "--host", "127.0.0.1", "--port", str(port),
