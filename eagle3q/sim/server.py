@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from eagle3q.generate.templates import render_prompt
 from eagle3q.sim.engine import Engine, Generation, SimConfig
 from eagle3q.sim.faults import FAULTS, draw_transient, parse_faults
 
@@ -260,14 +261,24 @@ class Simulator:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's `/tokenize` for a plain prompt (what deploy/first-contact.sh asks for the marker ids)."""
+        """vLLM's `/tokenize`: a plain `prompt`, or chat `messages` rendered through the chat template (with
+        `add_generation_prompt` and `chat_template_kwargs`, as a chat request would be)."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return self._error(400, "request body is not JSON", "BadRequestError")
-        tokens = self.tok.encode(str(body.get("prompt", "")))
+        if isinstance(body.get("messages"), list):
+            try:
+                messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in body["messages"]]
+            except (KeyError, TypeError):
+                return self._error(400, "each message needs 'role' and 'content'", "BadRequestError")
+            kw = self.profile.thinking_kwarg
+            thinking = bool((body.get("chat_template_kwargs") or {}).get(kw, True)) if kw else True
+            tokens = self.tok.encode(render_prompt(self.profile, messages, thinking))
+        else:
+            tokens = self.tok.encode(str(body.get("prompt", "")))
         return web.json_response({"count": len(tokens), "max_model_len": self.cfg.max_model_len, "tokens": tokens,
-                                  "token_strs": None})
+                                  "token_strs": None}, dumps=_dumps)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.cfg.vllm_version})

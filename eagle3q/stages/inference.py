@@ -67,6 +67,19 @@ class InferenceContext:
             self.limits[url] = int(value) if isinstance(value, int) and value > 0 else None
         return self.limits[url]
 
+    def prompt_tokens(self, url: str, model: str, messages: list[dict[str, str]], kwargs: dict, local: str) -> int:
+        """The prompt's length as the server renders it: vLLM's `/tokenize` with the messages applies the model's own
+        chat template (Kimi's adds a default system turn our renderer does not know of). Falls back to the local
+        rendering when the server cannot say."""
+        root = url.rstrip("/").removesuffix("/v1")
+        body = {"model": model, "messages": messages, "add_generation_prompt": True, "chat_template_kwargs": kwargs}
+        try:
+            r = self.client.http.post(root + "/tokenize", json=body, timeout=30)
+            count = r.json().get("count") if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - no /tokenize (a proxy, an old server): count locally
+            count = None
+        return int(count) if isinstance(count, int) and count >= 0 else len(self.tokenizer.encode(local))
+
     def check_server(self, url: str, profile: str) -> None:
         """Once per endpoint and profile: refuse a vLLM too old to serve the profile (ServerTooOld, raised on every
         task until the server is upgraded, so no sample is attempted and none is lost)."""
@@ -179,9 +192,11 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
         # over it (the sample then ends as `truncated`).
         prompt = render_prompt(rp.profile, messages, task.thinking)
         # A token covers at least one byte of the text (byte-level BPE, tiktoken; SentencePiece adds at most a
-        # prefix space): when the bytes fit, so do the tokens, and the hot path skips the tokenizer.
-        fits = len(prompt.encode()) + 16 + max_tokens <= limit
-        room = limit if fits else limit - len(ctx.tokenizer.encode(prompt))
+        # prefix space): when the bytes fit with a margin for what the model's own template adds (a default system
+        # turn), so do the tokens, and the hot path asks nobody. Near the limit the server counts.
+        fits = len(prompt.encode()) + 256 + max_tokens <= limit
+        kwargs = rp.profile.chat_template_kwargs(task.thinking)
+        room = limit if fits else limit - ctx.prompt_tokens(url, task.model, messages, kwargs, prompt)
         if room <= 0:
             ctx.endpoints.release(url, True)
             _reject(ctx, task, "prompt_too_long", f"the prompt fills the context of {limit} tokens", None)

@@ -136,10 +136,14 @@ def test_side_routes_agree(pair: tuple[str, str, str]) -> None:
     metrics_real, metrics_sim = httpx.get(root_real + "/metrics").text, httpx.get(root_sim + "/metrics").text
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert gauge in metrics_real and gauge in metrics_sim
-    tok_real = httpx.post(root_real + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
-    tok_sim = httpx.post(root_sim + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
-    d = diff(tok_real, tok_sim)
-    assert not d, "\n".join(d)
+    for body in ({"model": MODEL, "prompt": "hello world"},
+                 # the chat form: what the consumers ask to size max_tokens near the context limit
+                 {"model": MODEL, "add_generation_prompt": True,
+                  "messages": [{"role": "user", "content": "hello world"}]}):
+        tok_real = httpx.post(root_real + "/tokenize", json=body).json()
+        tok_sim = httpx.post(root_sim + "/tokenize", json=body).json()
+        d = diff(tok_real, tok_sim)
+        assert not d, "\n".join(d)
 
 
 def test_overload_answer_agrees(vllm_factory: Callable[..., VLLMServer], tmp_path: Path) -> None:
