@@ -1,4 +1,4 @@
-"""All benchmarks, one after the other (about five minutes on 2 cores): `make bench`."""
+"""All benchmarks, one after the other (about seven minutes on 2 cores): `make bench`."""
 
 from __future__ import annotations
 
