@@ -1,11 +1,12 @@
 """The client of vLLM's OpenAI-compatible server: one chat completion with the exact token ids, and a clear split of
 errors into transient (retried with backoff) and permanent (rejected with a reason).
 
-Requests go through the official `openai` SDK (vLLM's own fields in `extra_body`), with the SDK's retries off: retries,
-backoff and timeouts are eagle3q's policy (the task retries with jitter; a retried request must not run twice inside
-one task's lease). The response is read as raw JSON, not as the SDK's models: the token ids stay exactly as sent,
-vLLM's extra fields are all there, and parsing stays cheap. Side calls (`/v1/models`, `/version`, `/metrics`) use the
-plain `http` client."""
+Requests go through the official `openai` SDK (its client, auth, timeouts and error classes), with the SDK's retries
+off: retries, backoff and timeouts are eagle3q's policy (the task retries with jitter; a retried request must not run
+twice inside one task's lease). The body carries vLLM's own fields beside OpenAI's (what `extra_body` would merge in)
+and the response is read as raw JSON, not as the SDK's models: the token ids stay exactly as sent, vLLM's extra fields
+are all there, and parsing stays cheap. Side calls (`/v1/models`, `/version`, `/tokenize`, `/metrics`) use the plain
+`http` client."""
 
 from __future__ import annotations
 
@@ -119,10 +120,9 @@ class VLLMClient:
         return client
 
     def chat(self, base_url: str, req: ChatRequest) -> dict[str, Any]:
-        # The SDK's own POST (its headers, auth, timeouts and error classes) with the body as vLLM takes it, its
-        # own fields beside OpenAI's (what `extra_body` merges in), and the response left raw. Measured:
-        # `chat.completions.create` spends 0.5 ms a request transforming the parameters' TypedDicts, which cost
-        # 2-3% req/s on a 2-core consumer machine; this path costs 0.2 ms over plain httpx.
+        # The SDK's own POST with the body as vLLM takes it and the response left raw. Measured against a
+        # zero-latency simulator: 1.02 ms a request this way, 1.54 ms through `chat.completions.create` (it
+        # transforms its parameters' TypedDicts), 0.82 ms with plain httpx.
         try:
             resp = self.sdk(base_url).post("/chat/completions", body=req.body(), cast_to=httpx2.Response)
         except openai.APITimeoutError as e:

@@ -69,8 +69,8 @@ class InferenceContext:
 
     def prompt_tokens(self, url: str, model: str, messages: list[dict[str, str]], kwargs: dict, local: str) -> int:
         """The prompt's length as the server renders it: vLLM's `/tokenize` with the messages applies the model's own
-        chat template (Kimi's adds a default system turn our renderer does not know of). Falls back to the local
-        rendering when the server cannot say."""
+        chat template (which may add what our renderer does not know of, e.g. a default system prompt). Falls back to
+        the local rendering when the server cannot say."""
         root = url.rstrip("/").removesuffix("/v1")
         body = {"model": model, "messages": messages, "add_generation_prompt": True, "chat_template_kwargs": kwargs}
         try:
