@@ -17,6 +17,10 @@ from eagle3q.sources import Prompt, iter_prompts
 
 C = 32  # requests in flight (and the simulator's max_num_seqs)
 PROCS = int(os.environ.get("EAGLE3Q_BENCH_PROCS", "2"))  # consumer processes sharing the C threads
+# EAGLE3Q_BENCH_PIN=1: the server on a core of its own, every client (the plain one, speculators', eagle3q's
+# consumers, Redis, the producer) on the rest. Measured: it does not help eagle3q on 2 cores (its consumers then
+# share one core: 0.915-0.928 of the plain client), so the default shares the cores.
+PIN = os.environ.get("EAGLE3Q_BENCH_PIN", "0") == "1" and len(os.sched_getaffinity(0)) >= 2
 N = 1600  # ~30 s per client: start-up and the last wave weigh as little as in a real (hours-long) run
 SIM = ["--ttft", "0.3", "--itl", "0.003", "--mean-output-tokens", "100", "--max-num-seqs", str(C)]
 
@@ -67,18 +71,35 @@ def speculators_client(url: str, data: Path, tokenizer: Path, n: int, concurrenc
     return rps
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of the process (sched_setaffinity on a pid moves its main thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            continue
+
+
 def main() -> dict:
     base = workdir("throughput")
     tiny = tiny_target(base)
     data = synthetic_dataset(base / "prompts.jsonl", N)
     prompts = [p.messages for p in iter_prompts(data) if isinstance(p, Prompt)]
     st = stack(base, tiny, SIM)
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, client_cores = {cores[0]}, set(cores[1:])
+    if PIN:
+        pin(st.sims[0].proc.pid, server_core)
+        pin(st.redis.proc.pid, client_cores)
+        pin(os.getpid(), client_cores)
     try:
         plain_rps, latency = asyncio.run(plain_client(st.sim_urls[0], prompts, C))
         ideal = C / latency
         peer_rps = speculators_client(st.sim_urls[0], data, tiny, N, C, base / "speculators.jsonl")
         for _ in range(PROCS):
-            st.worker("inference", concurrency=C // PROCS)
+            worker = st.worker("inference", concurrency=C // PROCS)
+            if PIN:
+                pin(worker.proc.pid, client_cores)
         t0 = time.monotonic()
         st.enqueue(data, "bench")
         st.wait_settled("bench", timeout_s=600)
@@ -89,7 +110,8 @@ def main() -> dict:
         our_latency = sum(st.store.read_sample("bench", i).latency_s for i in ids) / len(ids)
     finally:
         st.close()
-    report("throughput (a): same simulator, same prompts, concurrency 32", [
+    where = f"server on core {cores[0]}, clients on {sorted(client_cores)}" if PIN else "shared cores"
+    report(f"throughput (a): same simulator, same prompts, concurrency 32 ({where})", [
         ("mean request latency (plain client)", f"{latency:.3f} s"),
         ("ideal max_num_seqs / latency", f"{ideal:.1f} req/s"),
         ("plain asyncio + semaphore client", f"{plain_rps:.1f} req/s ({plain_rps / ideal:.3f} of ideal)"),

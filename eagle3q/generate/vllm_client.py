@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +93,7 @@ def _error_message(resp: Any) -> str:  # an httpx or httpx2 Response
 
 
 class VLLMClient:
-    def __init__(self, api_key: str | None, timeout_s: float, max_connections: int):
+    def __init__(self, api_key: str | None, timeout_s: float, max_connections: int, base_urls: Sequence[str] = ()):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
@@ -100,6 +102,9 @@ class VLLMClient:
         self._timeout_s = timeout_s
         self._max_connections = max_connections
         self._sdk: dict[str, openai.OpenAI] = {}
+        self._sdk_lock = threading.Lock()
+        for url in base_urls:  # built up front: each one loads the CA bundle (tens of ms), not on a task's clock
+            self.sdk(url)
 
     def close(self) -> None:
         self.http.close()
@@ -108,16 +113,22 @@ class VLLMClient:
 
     def sdk(self, base_url: str) -> openai.OpenAI:
         """One SDK client per endpoint, sized for this consumer's threads, without the SDK's own retries."""
+        base_url = base_url.rstrip("/")
         client = self._sdk.get(base_url)
-        if client is None:
+        if client is not None:
+            return client
+        with self._sdk_lock:  # the first tasks of a consumer's threads arrive together: build it once
+            client = self._sdk.get(base_url)
+            if client is not None:
+                return client
             limits = httpx2.Limits(max_connections=self._max_connections,
                                    max_keepalive_connections=self._max_connections)
             client = openai.OpenAI(
-                base_url=base_url.rstrip("/"), api_key=self._api_key, max_retries=0,
+                base_url=base_url, api_key=self._api_key, max_retries=0,
                 timeout=httpx2.Timeout(self._timeout_s, connect=min(self._timeout_s, 10.0)),
                 http_client=httpx2.Client(limits=limits))
             self._sdk[base_url] = client
-        return client
+            return client
 
     def chat(self, base_url: str, req: ChatRequest) -> dict[str, Any]:
         # The SDK's own POST with the body as vLLM takes it and the response left raw. Measured against a
