@@ -43,7 +43,7 @@ import sys
 import time
 import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,10 +73,7 @@ class Plan:
 class Running:
     request: Request
     plan: Plan
-    emitted: int = 0
     task: asyncio.Task | None = None
-    aborted: bool = False
-    events: list[Any] = field(default_factory=list)
 
 
 class EngineDouble:
@@ -107,7 +104,7 @@ class EngineDouble:
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
         self.all: dict[str, Running] = {}
-        self.plans: dict[tuple, list[int]] = {}
+        self.generated: dict[tuple, list[int]] = {}  # the tiny target's continuations, per prefix
         self.step = 0
         log.warning("engine double: %s, max_model_len %d, max_num_seqs %d", path, self.max_model_len,
                     self.max_num_seqs)
@@ -117,6 +114,8 @@ class EngineDouble:
         return ("generate",)
 
     async def add_request_async(self, request) -> None:  # noqa: ANN001
+        # The plan (the tiny target's forward passes) is made here, on the event loop: milliseconds for the tests'
+        # short generations, and the order of requests stays the order they came in.
         req = Request.from_engine_core_request(request, None)
         run = Running(req, self._plan(req))
         self.all[req.request_id] = run
@@ -128,7 +127,6 @@ class EngineDouble:
             run = self.all.pop(rid, None)
             if run is None:
                 continue
-            run.aborted = True
             if run in self.waiting:
                 self.waiting.remove(run)
             if self.running.pop(rid, None) is not None and run.task is not None:
@@ -254,14 +252,14 @@ class EngineDouble:
         """n tokens from the tiny target, greedy or sampled (seeded by the prefix), never a suppressed one; the same
         prompt gives the same generation (cached)."""
         key = (tuple(prefix), n, tuple(suppress), sample)
-        if key not in self.plans:
+        if key not in self.generated:
             seed = int(hashlib.sha256(str(key[:2]).encode()).hexdigest()[:8], 16)
             gen = torch.Generator().manual_seed(seed) if sample else None
             out: list[int] = []
             for _ in range(n):
                 out.append(self._next_free_token(prefix + out, suppress, gen))
-            self.plans[key] = out
-        return self.plans[key]
+            self.generated[key] = out
+        return self.generated[key]
 
     @torch.inference_mode()
     def _next_free_token(self, ids: list[int], suppress: list[int] | None = None,
