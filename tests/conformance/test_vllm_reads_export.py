@@ -8,30 +8,17 @@ import json
 import subprocess
 from pathlib import Path
 
-import torch
-
 from eagle3q.dev.local import free_port
 from eagle3q.dev.tiny import build_served_model
-from eagle3q.eagle3.export import export_draft
-from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
-from eagle3q.eagle3.target import load_target_tensors, target_config
-from eagle3q.eagle3.vocab import build_mapping
 from tests.conformance.vllm_server import VLLM_PYTHON
+from tests.drafts import random_export
 
 READER = Path(__file__).with_name("read_export.py")
 
 
 def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path) -> None:
-    tc, tensors = target_config(tiny), load_target_tensors(tiny)
-    torch.manual_seed(0)
-    c = DraftConfig.from_target(tc, 256)
-    draft = Eagle3Draft(c, tensors["embed"])
-    for p in draft.parameters():
-        if p.requires_grad:
-            p.data.normal_(0, 0.05)
-    d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), 256)
     aux = [2, 4, 5]  # vLLM's convention, for the 8-layer tiny target
-    export_draft(tmp_path / "export", draft, c, d2t, t2d, aux)
+    tc, *_ = random_export(tiny, tmp_path / "export", aux)
     target = build_served_model(tiny, tmp_path / "target", "kimi_k2")
 
     r = subprocess.run([str(VLLM_PYTHON), str(READER), str(target), str(tmp_path / "export"), str(free_port())],

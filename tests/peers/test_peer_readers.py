@@ -108,20 +108,11 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3q.eagle3.export import export_draft, load_exported
-    from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3q.eagle3.export import load_exported
     from eagle3q.eagle3.training import _shift
-    from eagle3q.eagle3.vocab import build_mapping
+    from tests.drafts import random_export
 
-    tc, tensors = target_config(tiny), load_target_tensors(tiny)
-    torch.manual_seed(0)
-    c = DraftConfig.from_target(tc, 256)
-    draft = Eagle3Draft(c, tensors["embed"])
-    for p in draft.parameters():
-        if p.requires_grad:
-            p.data.normal_(0, 0.05)
-    d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), 256)
-    export_draft(tmp_path / "ours", draft, c, d2t, t2d, [2, 4, 5])
+    tc, tensors, c, draft, d2t, t2d = random_export(tiny, tmp_path / "ours", [2, 4, 5])
     # The converter takes the aux ids as an option (`--algorithm-kwargs`), the README's command passes our
     # config's top-level ids; the converted config must carry them unchanged (same convention as vLLM's).
     ours_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())

@@ -1,0 +1,27 @@
+"""A draft with random weights over the tiny target, exported as eagle3q exports it: what the peers' and vLLM's
+readers are given in tests/peers and tests/conformance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eagle3q.eagle3.export import export_draft
+from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+from eagle3q.eagle3.target import load_target_tensors, target_config
+from eagle3q.eagle3.vocab import build_mapping
+
+
+def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256):  # noqa: ANN201
+    """-> (target config, target tensors, draft config, draft, d2t, t2d), the draft exported to `out`."""
+    tc, tensors = target_config(tiny), load_target_tensors(tiny)
+    torch.manual_seed(0)
+    c = DraftConfig.from_target(tc, draft_vocab)
+    draft = Eagle3Draft(c, tensors["embed"])
+    for p in draft.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), draft_vocab)
+    export_draft(out, draft, c, d2t, t2d, aux)
+    return tc, tensors, c, draft, d2t, t2d
