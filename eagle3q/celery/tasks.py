@@ -174,11 +174,20 @@ def extract(self: Task, payload: dict, sig: str | None = None) -> str:
         ref = parse_payload(SampleRef, payload, HIDDEN_STATES, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
-    from eagle3q.stages.hidden_states import run_extract
+    from eagle3q.eagle3.vllm_extract import ServerError
+    from eagle3q.stages.hidden_states import reject_exhausted, run_extract
 
     ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))
     try:
         return run_extract(ref, ctx)
+    except ServerError as e:  # the extraction server failed or died (EAGLE3Q_HS_BACKEND=vllm): retried as inference is
+        s = get_settings()
+        if self.request.retries >= s.max_retries:
+            return reject_exhausted(ctx, ref, e)
+        ctx.ledger.incr(ref.run, HIDDEN_STATES.name, "retry_hs_server")
+        delay = _delay(self)
+        log.warning("%s/%s: %s; retry %d in %.1fs", ref.run, ref.sample_id, e, self.request.retries + 1, delay)
+        raise self.retry(countdown=delay, exc=e) from None
     except StoreError as e:
         raise retry_store_error(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
     except Exception as e:  # noqa: BLE001

@@ -56,8 +56,15 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 1024) -> Path:
     return out_dir
 
 
+# vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224 and 256 only (a head of 16 kills
+# the engine on its first request): two heads of 32 (one KV head, grouped as in real targets) keep the tiny target
+# servable by the real engine (tests/engine) at the same hidden size.
+TINY_HEADS, TINY_KV_HEADS = 2, 1
+
+
 def build_model(out_dir: Path, layers: int = 8, hidden: int = 64, seed: int = 0) -> Path:
-    """A random-weight Llama over the tiny tokenizer (built first when missing). Deterministic for a seed."""
+    """A random-weight Llama over the tiny tokenizer (built first when missing). Deterministic for a seed. Its head
+    size (hidden / 2 = 32 by default) is one vLLM's CPU backend serves."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,8 +78,8 @@ def build_model(out_dir: Path, layers: int = 8, hidden: int = 64, seed: int = 0)
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=TINY_HEADS,
+        num_key_value_heads=TINY_KV_HEADS,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -124,6 +124,11 @@ class VllmExtractor:
             raise ServerError("no kv_transfer_params.hidden_states_path: is the server started with the "
                               "ExampleHiddenStatesConnector?")
         wait_for_lock(f"{path}.lock", self.timeout_s)
+        if not os.path.exists(path):
+            # The server answered, then wrote nothing: it died before its writer ran (the lock is free once its
+            # process is gone), or its connector directory is not the one we read.
+            self.breaker.record(False)
+            raise ServerError(f"the server answered but {path} was never written ({self._health()})")
         from safetensors.torch import load_file
 
         try:
@@ -131,6 +136,15 @@ class VllmExtractor:
         finally:
             Path(path).unlink(missing_ok=True)
         return self._check(ids, data)
+
+    def _health(self) -> str:
+        root = str(self.client.base_url).rstrip("/").removesuffix("/v1")
+        try:
+            ok = self.client.get(f"{root}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return "the server is unreachable now: it died after answering"
+        return ("the server is up: is EAGLE3Q_HS_CONNECTOR_DIR its shared_storage_path?" if ok
+                else "its /health fails now: the engine died after answering")
 
     def _check(self, ids: list[int], data: dict[str, torch.Tensor]) -> Extracted:
         if data.get("token_ids") is None or data["token_ids"].tolist() != ids:

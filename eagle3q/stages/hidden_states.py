@@ -105,6 +105,16 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
     return outcome
 
 
+def reject_exhausted(ctx: HiddenContext, ref: SampleRef, err: Exception) -> str:
+    """The extraction server kept failing for this sample through every retry (EAGLE3Q_MAX_RETRIES, with backoff):
+    rejected by that name, the server's last error as the detail; the generated sample stays in the store."""
+    if ctx.ledger.is_terminal(ref.run, STAGE, ref.sample_id):
+        return "duplicate"
+    _reject(ctx, ref.run, ref.sample_id, "retries_exhausted_hs_server", str(err))
+    _after(ctx, ref.run)
+    return "rejected:retries_exhausted_hs_server"
+
+
 def _after(ctx: HiddenContext, run: str) -> None:
     if ctx.ledger.maybe_fire_train(run):
         log.info("run %s reached its training target: training triggered", run)

@@ -1,0 +1,125 @@
+"""The whole pipeline on vLLM's real engine: a shaped generating engine (kimi_k2 template and parser) answers the
+inference consumers, a second engine with `extract_hidden_states` and the CPU connector gives the hidden states
+(`EAGLE3Q_HS_BACKEND=vllm`), the trainer trains and exports; then a third engine speculates with that export
+(`--speculative-config` eagle3): its outputs equal plain greedy, and the acceptance vLLM counts equals
+`eval-draft`'s own loop on the same prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3q.dev.local import LocalStack, child_env
+from eagle3q.dev.tiny import SAMPLE_DATASET
+from eagle3q.dev.vllm_engine import Engine, eagle3_args, extraction_args, start_engine
+from eagle3q.eagle3.evaluate import heldout_prompts
+from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids, load_hidden
+from tests.engine.conftest import MODEL
+
+RUN, K, MAX_NEW = "real", 3, 48
+pytestmark = pytest.mark.timeout(900)  # the first test carries the module's run: generation, extraction, training
+
+
+@pytest.fixture(scope="module")
+def trained(generator: Callable, tiny: Path, tmp_path_factory: pytest.TempPathFactory,
+            engines: list[Engine]) -> Iterator[LocalStack]:
+    """One run through Celery on the real engines, trained and exported (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("engine-pipeline")
+    gen, model_dir = generator("kimi_k2")
+    connector = tmp / "connector"
+    hs = start_engine(tiny, tmp / "hs", MODEL, extraction_args([*default_aux_ids(8), 8], connector))
+    engines.append(hs)
+    stack = LocalStack(tmp / "stack", tiny, sims=0, env={
+        "EAGLE3Q_VLLM_BASE_URLS": gen.url, "EAGLE3Q_TOKENIZER": str(model_dir), "EAGLE3Q_REQUEST_TIMEOUT_S": "120",
+        "EAGLE3Q_HS_BACKEND": "vllm", "EAGLE3Q_HS_VLLM_BASE_URL": hs.url, "EAGLE3Q_HS_CONNECTOR_DIR": str(connector),
+        "EAGLE3Q_EPOCHS": "12", "EAGLE3Q_LR": "5e-3", "EAGLE3Q_TRAIN_BATCH_TOKENS": "1024",
+        "EAGLE3Q_VAL_FRACTION": "0.25", "EAGLE3Q_CHECKPOINT_EVERY": "1000"})
+    try:
+        stack.worker("inference", concurrency=8)
+        stack.worker("hidden_states", concurrency=1)
+        stack.worker("train", concurrency=1)
+        stack.enqueue(SAMPLE_DATASET, RUN, max_samples=64)
+        deadline = time.monotonic() + 600
+        while stack.ledger.train_progress(RUN).get("state") not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(1)
+        assert stack.ledger.train_progress(RUN).get("state") == "done", stack.ledger.train_progress(RUN)
+        stack.connector = connector  # type: ignore[attr-defined]
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_samples_and_hidden_states_are_the_real_engines(trained: LocalStack, tiny: Path,
+                                                        assert_accounted: Callable) -> None:
+    done, rejected = assert_accounted(trained, RUN)
+    assert len(done) >= 48, rejected
+    assert set(rejected.values()) <= {"prompt_too_long"}, rejected
+    hs_done = trained.ledger.done_ids(RUN, "hidden_states")
+    assert hs_done == done
+    ref = TransformersExtractor(str(tiny), None, "cpu", "float32")
+    for sid in sorted(hs_done)[:6]:
+        s = trained.store.read_sample(RUN, sid)
+        assert s.finish_reason == "stop" and s.reasoning
+        ours = load_hidden(trained.store.hidden_path(RUN, sid))
+        want = ref.extract([s.input_ids])[0]
+        assert torch.equal(ours["input_ids"], torch.tensor(s.input_ids))
+        # vLLM's fp32 states, stored in the store's dtype: equal to transformers' within that rounding
+        torch.testing.assert_close(ours["aux_hidden_states"].float(), want.aux, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(ours["hidden_state"].float(), want.final, atol=3e-2, rtol=3e-2)
+        with safe_open(str(trained.store.hidden_path(RUN, sid)), framework="pt") as f:
+            assert json.loads(f.metadata()["backend"]) == "vllm"
+    assert not any(trained.connector.iterdir())  # type: ignore[attr-defined]  every file read and removed
+    assert (trained.store.train_dir(RUN) / "export" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def speculating(trained: LocalStack, tiny: Path, tmp_path_factory: pytest.TempPathFactory,
+                engines: list[Engine]) -> Engine:
+    export = trained.store.train_dir(RUN) / "export"
+    e = start_engine(tiny, tmp_path_factory.mktemp("engine-spec"), MODEL, eagle3_args(export, K), max_num_seqs=4,
+                     max_model_len=4096)
+    engines.append(e)
+    return e
+
+
+def test_speculative_outputs_equal_plain_greedy(trained: LocalStack, speculating: Engine, tiny: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    for prompt in heldout_prompts(trained.store, RUN, 4):
+        r = httpx.post(f"{speculating.url}/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(MAX_NEW):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert r["choices"][0]["token_ids"] == seq[len(prompt):]
+
+
+def test_vllm_acceptance_equals_eval_draft(trained: LocalStack, speculating: Engine) -> None:
+    """`eagle3q eval-draft --server`: vLLM's own counters beside our loop, on the run's held-out prompts."""
+    r = subprocess.run([str(Path(sys.executable).parent / "eagle3q"), "eval-draft", "--run", RUN,
+                        "--prompts", "12", "--max-new", str(MAX_NEW), "--server", speculating.url],
+                       capture_output=True, text=True, timeout=600, env=child_env(trained.env))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(rf"k={K}, (\d+) drafts\): mean acceptance length ([\d.]+); offline, same prompts: ([\d.]+)",
+                  r.stdout)
+    assert m, r.stdout
+    drafts, served, offline = int(m[1]), float(m[2]), float(m[3])
+    assert drafts > 12 * 5
+    assert abs(served - offline) <= 0.01, r.stdout
+    assert served > 1.2  # the trained draft does help: 1.0 is a draft that never hits
+    rates = [float(x) for x in re.findall(r"\d:([\d.]+)", r.stdout.split("draft position:")[1])]
+    assert len(rates) == K and rates == sorted(rates, reverse=True)  # a later position is never accepted more often
+

@@ -1,0 +1,34 @@
+"""The rule that makes a random target answer like a reasoning model, in vLLM's engine and in the reference."""
+
+from __future__ import annotations
+
+from eagle3q.dev.shaped_greedy import ShapedGreedy
+
+
+def _walk(rule: ShapedGreedy, prompt: list[int]) -> list[int | None]:
+    out: list[int] = []
+    forced: list[int | None] = []
+    while not out or out[-1] != rule.end_id:
+        f = rule.forced(prompt, out)
+        forced.append(f)
+        out.append(f if f is not None else 7)  # any token the model would choose
+    return forced
+
+
+def test_markers_are_placed_once_at_lengths_drawn_from_the_prompt() -> None:
+    for opens in (True, False):
+        rule = ShapedGreedy(open_id=1, close_id=2, end_id=3, prompt_opens_think=opens)
+        for prompt in ([10, 11, 12], [10, 11, 13], list(range(50))):
+            n_reason, n_answer = rule.lengths(prompt)
+            forced = _walk(rule, prompt)
+            lead = [] if opens else [1]
+            assert forced == [*lead, *[None] * n_reason, 2, *[None] * n_answer, 3]
+    a, b = ShapedGreedy(1, 2, 3, True).lengths([10, 11, 12]), ShapedGreedy(1, 2, 3, True).lengths([10, 11, 12])
+    assert a == b  # deterministic: the reference and the engine agree on a prompt's lengths
+
+
+def test_lengths_vary_with_the_prompt_around_the_mean() -> None:
+    rule = ShapedGreedy(1, 2, 3, True, mean_tokens=48)
+    totals = {sum(rule.lengths([i, i + 1])) for i in range(40)}
+    assert len(totals) > 10 and min(totals) >= 20 and max(totals) <= 80
+    assert set(rule.suppressed) == {0, 1, 2, 3}
