@@ -271,8 +271,12 @@ def eval_draft(
             raise typer.Exit(1) from None
         k = len(served.per_position)
         offline = table["trained"].get(k)
+        if offline is None:  # the server speculates more than 5 tokens a round: our loop at its k too
+            from eagle3q.eagle3.evaluate import evaluate
+
+            offline = evaluate(s.target_model, str(export or store.train_dir(run) / "export"), ids, (k,), max_new)[k]
         typer.echo(f"vLLM at {server} (k={k}, {served.drafts} drafts): mean acceptance length {served.mean_length:.3f}"
-                   + (f"; offline, same prompts: {offline:.3f}" if offline is not None else ""))
+                   f"; offline, same prompts: {offline:.3f}")
         typer.echo("  acceptance rate by draft position: "
                    + "  ".join(f"{i + 1}:{r:.3f}" for i, r in enumerate(served.per_position)))
 

@@ -37,23 +37,39 @@ class Engine:
     def root(self) -> str:
         return self.url.removesuffix("/v1")
 
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+    def stop(self) -> None:
+        stop_group(self.proc)
 
-    def metrics(self) -> str:
-        return httpx.get(f"{self.root}/metrics", timeout=10).text
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to a server's process group (vLLM's API server and its engine-core child), SIGKILL after `grace_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def wait_healthy(proc: subprocess.Popen, root: str, log: Path, timeout_s: float) -> None:
+    """Until `root`/health answers 200; a server that exits, or is not up in time (then stopped), raises with the
+    tail of its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(f"{root}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_group(proc)
+    raise TimeoutError(f"vllm serve not up after {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 
 def extraction_args(layer_ids: list[int], connector_dir: Path) -> list[str]:
@@ -104,15 +120,5 @@ def start_engine(model_dir: Path, workdir: Path, model: str, args: list[str] | N
         proc = subprocess.Popen(cmd, env=child_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=workdir)
     engine = Engine(f"http://127.0.0.1:{port}/v1", proc, log, model)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{engine.log_tail()}")
-        try:
-            if httpx.get(f"{engine.root}/health", timeout=1).status_code == 200:
-                return engine
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    engine.stop()
-    raise TimeoutError(f"vllm serve not up after {timeout_s:.0f} s:\n{engine.log_tail()}")
+    wait_healthy(proc, engine.root, log, timeout_s)
+    return engine

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from eagle3q.dev.local import free_port
 from eagle3q.dev.tiny import build_served_model
+from eagle3q.dev.vllm_engine import stop_group, wait_healthy
 
 ROOT = Path(__file__).parents[2]
 VLLM_VENV = Path(os.environ.get("EAGLE3Q_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -42,13 +39,7 @@ class VLLMServer:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_group(self.proc, grace_s=20)
 
 
 def start_vllm(tiny: Path, workdir: Path, template: str, parser: str, extra: list[str] | None = None,
@@ -68,17 +59,5 @@ def start_vllm(tiny: Path, workdir: Path, template: str, parser: str, extra: lis
         proc = subprocess.Popen(args, env=child_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=workdir)
     server = VLLMServer(template, parser, f"http://127.0.0.1:{port}/v1", model_dir, proc, log)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.root}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise TimeoutError(f"vllm serve not up after 180 s:\n{server.log_tail()}")
-
-
+    wait_healthy(proc, server.root, log, 180)
+    return server
