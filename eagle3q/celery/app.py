@@ -62,13 +62,6 @@ def celery_config(s: Settings) -> dict:
     }
 
 
-def broker_key(a: Celery, name: str, option: str | None = None) -> str:
-    """The Redis key kombu uses for `name` (a queue, or "unacked" renamed by the transport option `option`), with
-    the transport's global key prefix."""
-    opts = a.conf.broker_transport_options or {}
-    return opts.get("global_keyprefix", "") + (opts.get(option, name) if option else name)
-
-
 def make_app(s: Settings, worker: bool = False) -> Celery:
     """A Celery app for these settings. Producers (and tests) that talk to several brokers make one each: an app
     keeps its connection pool for the broker it first used. `worker=True`: with the tasks and worker services."""

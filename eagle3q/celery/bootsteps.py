@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from celery import Celery, bootsteps
+from eagle3q.celery.transport import broker_key
 from eagle3q.config import Settings
 from eagle3q.contract import send_again
 from eagle3q.control import connect
@@ -43,8 +44,6 @@ class MessageLeases(bootsteps.StartStopStep):
         self.keeper: Periodic | None = None
 
     def start(self, c) -> None:  # noqa: ANN001 - the consumer
-        from eagle3q.celery.app import broker_key
-
         s = self.settings
         every_s = refresh_interval_s(s.visibility_timeout_s)
         index_key = broker_key(c.app, "unacked_index", "unacked_index_key")
@@ -69,8 +68,6 @@ class WorkerServices(bootsteps.StartStopStep):
         self.metrics_server = None
 
     def start(self, w) -> None:  # noqa: ANN001 - the worker
-        from eagle3q.celery.app import broker_key
-
         s, app = self.settings, w.app
         if s.metrics_port:
             self.metrics_server = METRICS.serve(s.metrics_port)

@@ -20,6 +20,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from celery import Celery
 from eagle3q.control.dead_letters import set_aside
 
 log = logging.getLogger("eagle3q.transport")
@@ -79,3 +80,10 @@ def use_for_redis_urls() -> None:
 
     for scheme in ("redis", "rediss"):
         transport.TRANSPORT_ALIASES[scheme] = ALIAS
+
+
+def broker_key(a: Celery, name: str, option: str | None = None) -> str:
+    """The Redis key kombu uses for `name` (a queue, or "unacked" renamed by the transport option `option`), with
+    the transport's global key prefix."""
+    opts = a.conf.broker_transport_options or {}
+    return opts.get("global_keyprefix", "") + (opts.get(option, name) if option else name)

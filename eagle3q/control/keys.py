@@ -1,7 +1,7 @@
 """Every Redis key of eagle3q's control plane, by name. ARCHITECTURE.md has the table: type, writer, reader, lifetime.
 
 Nothing outside `eagle3q.control` builds a key: callers ask the ledger (or the lock, limiter, sweep) by meaning.
-The broker's own keys (queue lists, kombu's `unacked` hash and index) are kombu's; `eagle3q.celery.app.broker_key`
+The broker's own keys (queue lists, kombu's `unacked` hash and index) are kombu's; `eagle3q.celery.transport.broker_key`
 names them.
 """
 

@@ -31,7 +31,7 @@ import torch
 
 from eagle3q.config import Settings
 from eagle3q.eagle3.checkpoint import load_checkpoint, save_checkpoint
-from eagle3q.eagle3.distributed import all_reduce_floats, all_reduce_grads, rank_and_world
+from eagle3q.eagle3.collectives import all_reduce_floats, all_reduce_grads, rank_and_world
 from eagle3q.eagle3.extract import read_hidden
 from eagle3q.eagle3.manifest import Entry, Manifest
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft

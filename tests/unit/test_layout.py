@@ -56,3 +56,31 @@ def test_the_worker_app_serves_every_stage_of_the_contract():
     assert app.conf.task_routes == ROUTES and {r.queue for r in ROLES.values()} == set(QUEUES)
     assert tuple(s.name for s in PIPELINE if s.per_sample) == SAMPLE_STAGES
     assert make_app(Settings()).tasks.keys().isdisjoint({s.task for s in PIPELINE})  # a producer's app only sends
+
+
+def _module_name(path: Path) -> str:
+    parts = ("eagle3q", *path.relative_to(PKG).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_package_has_no_import_cycles_lazy_imports_included():
+    """An import inside a function is still a dependency: a circle through one is a circle (issue 24). Each shared
+    piece lives where both sides import it (`celery.transport.broker_key`, `eagle3.collectives`)."""
+    names = {_module_name(p): p for p in _modules()}
+    graph = {m: {i for i in _imports(p) if i in names and i != m} for m, p in names.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*path[path.index(n):], n])
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
