@@ -180,6 +180,10 @@ def extract(self: Task, payload: dict, sig: str | None = None) -> str:
     ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))
     try:
         return run_extract(ref, ctx)
+    except ServerTooOld as e:  # an extraction server that drops the final layer: nothing sent, waits for an upgrade
+        ctx.ledger.incr(ref.run, HIDDEN_STATES.name, "server_too_old")
+        log.error("%s/%s not sent: %s", ref.run, ref.sample_id, e)
+        raise self.retry(countdown=get_settings().backoff_max_s, exc=e) from None
     except ServerError as e:  # the extraction server failed or died (EAGLE3Q_HS_BACKEND=vllm): retried as inference is
         s = get_settings()
         if self.request.retries >= s.max_retries:

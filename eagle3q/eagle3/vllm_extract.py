@@ -26,6 +26,28 @@ import torch
 
 from eagle3q.eagle3.extract import Extracted, check_aux_ids, default_aux_ids
 from eagle3q.eagle3.target import target_config
+from eagle3q.generate.endpoints import ServerTooOld, parse_version
+
+# vLLM's `deepseek_v2` backbone (DeepSeek-V3, Kimi-K2.x) captured aux states only at decoder-layer inputs, so the
+# final layer's output (id = num_hidden_layers) was dropped and the server returned one state fewer than configured
+# (vLLM PR #46973, issue #48124). Read from the wheels: `vllm/model_executor/models/deepseek_v2.py` of 0.24.0 has no
+# `if self.end_layer in self.aux_hidden_state_layers: aux_hidden_states.append(hidden_states + residual)`, 0.25.0 is
+# the first release that has it (0.17.0 ... 0.24.0 all lack it).
+DEEPSEEK_FINAL_LAYER_VLLM = (0, 25, 0)
+_DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "deepseekv2", "deepseekv3", "kimi")
+
+
+def final_layer_floor(model_dir: str) -> tuple[int, int, int] | None:
+    """The oldest vLLM whose extraction returns this target's final layer, where that is not every release: the
+    DeepSeek-V2/V3 backbone (DeepSeek-V3, Kimi-K2, Kimi-K2.5 and its multimodal wrapper)."""
+    import json
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    names = []
+    for cfg in (raw, raw.get("text_config") or {}):
+        names += [str(cfg.get("model_type", "")), *map(str, cfg.get("architectures") or [])]
+    lowered = " ".join(names).lower()
+    return DEEPSEEK_FINAL_LAYER_VLLM if any(f in lowered for f in _DEEPSEEK_FAMILY) else None
 
 
 class ServerError(Exception):
@@ -93,13 +115,35 @@ class VllmExtractor:
         self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
         self.pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="eagle3q-hs-vllm")
         self.breaker = Breaker()
+        self.floor = final_layer_floor(target_dir)
+        self.server_version: str | None = None  # checked once the server answers /version
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
         self.client.close()
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[Extracted]:
+        self.check_server()
         return list(self.pool.map(self._one, [list(ids) for ids in batch]))
+
+    def check_server(self) -> None:
+        """Refuse (ServerTooOld, before any sample is sent) a vLLM that drops this target's final layer. Unreachable
+        or without a version: no verdict yet (the requests say what is wrong), asked again with the next batch."""
+        if self.floor is None or self.server_version is not None:
+            return
+        root = str(self.client.base_url).rstrip("/").removesuffix("/v1")
+        try:
+            r = self.client.get(f"{root}/version", timeout=10)
+            version = str(r.json().get("version", "")) if r.status_code == 200 else ""
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        parsed = parse_version(version)
+        if parsed is not None and parsed < self.floor:
+            need = ".".join(map(str, self.floor))
+            raise ServerTooOld(f"vLLM {version} at {root} drops this target's final layer from extract_hidden_states "
+                               f"(the deepseek_v2 backbone of DeepSeek-V3 / Kimi-K2.x before vLLM {need}): every "
+                               f"sample would end hs_length_mismatch; run the extraction server on vLLM >= {need}")
+        self.server_version = version
 
     def _one(self, ids: list[int]) -> Extracted:
         self.breaker.check()

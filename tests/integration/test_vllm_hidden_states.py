@@ -4,6 +4,8 @@ transformers backend's, and the connector's directory is left empty."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from eagle3q.dev.tiny import SAMPLE_DATASET
@@ -62,3 +64,66 @@ def test_vllm_backend_worker_killed_mid_run_loses_nothing(stack_factory, tmp_pat
     assert len(list(stack.store.run_dir("hskill").glob("hidden/*/*.safetensors"))) == 40
     # A request the killed worker had in flight may leave its connector file behind (status counts it); no more.
     assert len(list(connector.glob("*.safetensors"))) <= 8
+
+
+def _kimi_shaped(tiny, out):  # noqa: ANN001, ANN202
+    """The tiny target's files under Kimi-K2.5's config wrapper (a multimodal architecture, the DeepSeek-V3 text
+    model nested in text_config): what the extraction backend reads to know the target's backbone."""
+    import json
+
+    out.mkdir()
+    for f in tiny.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    text = json.loads((tiny / "config.json").read_text())
+    text.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (out / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text,
+                                                 "architectures": ["KimiK25ForConditionalGeneration"]}))
+    return out
+
+
+def test_an_extraction_server_that_drops_kimis_final_layer_is_refused(stack_factory, tmp_path, tiny):  # noqa: ANN001
+    """vLLM before 0.25.0 returns one state fewer than configured for the deepseek_v2 backbone (Kimi-K2.5): the
+    backend asks /version first and sends nothing to such a server; the tasks wait, counted, for the upgrade, and
+    no sample is rejected. A Llama target has no such floor, and 0.25.0 passes."""
+    import pytest
+
+    from eagle3q.dev.local import start_sim
+    from eagle3q.eagle3.vllm_extract import VllmExtractor, final_layer_floor
+    from eagle3q.generate.endpoints import ServerTooOld
+
+    kimi = _kimi_shaped(tiny, tmp_path / "kimi")
+    assert final_layer_floor(str(kimi)) == (0, 25, 0) and final_layer_floor(str(tiny)) is None
+    for version, refused in (("0.17.0", True), ("0.24.0", True), ("0.25.0", False)):
+        proc, url = start_sim(str(tiny), tmp_path / f"logs-{version}", extra=[
+            "--target-model", str(tiny), "--hs-dir", str(tmp_path / f"c-{version}"), "--vllm-version", version])
+        try:
+            for target, floor in ((kimi, True), (tiny, False)):
+                ex = VllmExtractor(url, "moonshotai/Kimi-K2.5", str(target), None, concurrency=1, timeout_s=30)
+                try:
+                    if refused and floor:
+                        with pytest.raises(ServerTooOld, match=r"drops this target's final layer.*>= 0\.25\.0"):
+                            ex.extract([list(range(5, 30))])
+                        assert not (tmp_path / f"c-{version}").exists() or \
+                            not any((tmp_path / f"c-{version}").iterdir())  # nothing was sent
+                    else:
+                        assert ex.extract([list(range(5, 30))])[0].reason is None
+                finally:
+                    ex.close()
+        finally:
+            proc.kill()
+
+    connector = tmp_path / "connector"
+    stack = stack_factory(sim_args=["--target-model", str(tiny), "--hs-dir", str(connector)],
+                          env={"EAGLE3Q_HS_BACKEND": "vllm", "EAGLE3Q_TRAIN_TARGET": "1000",
+                               "EAGLE3Q_TARGET_MODEL": str(kimi)})
+    stack.worker("inference", concurrency=4)
+    stack.worker("hidden_states", EAGLE3Q_HS_VLLM_BASE_URL=stack.sim_urls[0])
+    stack.enqueue(SAMPLE_DATASET, "old", max_samples=4)
+    stack.wait_settled("old", timeout_s=60)
+    deadline = time.monotonic() + 30
+    while stack.ledger.stat("old", "hidden_states", "server_too_old") < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    c = stack.ledger.counts("old", "hidden_states")
+    assert stack.ledger.stat("old", "hidden_states", "server_too_old") >= 4
+    assert c.done == 0 and c.rejected == 0  # still queued: an upgraded server takes them all
