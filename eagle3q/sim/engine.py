@@ -183,14 +183,21 @@ class Engine:
         ids = self.ids
         skip = {ids.open_id, ids.close_id, ids.end_id}
 
+        def held_back(i: int) -> str:
+            """A marker's piece can start with text the detokenizer held back (a character's incomplete bytes,
+            flushed as U+FFFD when the marker arrives): that text belongs before the marker, as in vLLM's parser."""
+            marker = self.tok.decode([gen[i]])
+            return pieces[i][: -len(marker)] if marker and pieces[i].endswith(marker) else ""
+
         def text(lo: int, hi: int) -> str:
-            return "".join(p for t, p in zip(gen[lo:hi], pieces[lo:hi], strict=True) if t not in skip)
+            return "".join(held_back(lo + j) if t in skip else p
+                           for j, (t, p) in enumerate(zip(gen[lo:hi], pieces[lo:hi], strict=True)))
 
         if not thinking:
             return None, text(0, len(gen))
         if ids.close_id in gen:
             cut = gen.index(ids.close_id)
-            return text(0, cut), text(cut + 1, len(gen))
+            return text(0, cut) + held_back(cut), text(cut + 1, len(gen))
         return text(0, len(gen)), None
 
     # --- latency ---
