@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bench_consistency
 import bench_extraction
 import bench_overhead
 import bench_producer
@@ -11,5 +12,5 @@ import bench_training
 
 if __name__ == "__main__":
     for mod in (bench_throughput, bench_scaling, bench_producer, bench_overhead, bench_extraction,
-                bench_training):
+                bench_consistency, bench_training):
         mod.main()

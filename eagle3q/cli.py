@@ -139,7 +139,8 @@ def sim(
     target_model: str = typer.Option("", help="generate greedily with this local model (needs torch)"),
     hs_dir: str = typer.Option("", help="extract_hidden_states mode: the connector's directory (needs the target)"),
     hs_layer_ids: str = typer.Option("", help="layer ids the connector writes, vLLM convention, last = L "
-                                              "(default: 2,L//2,L-3,L)"),
+                                              "(default: 2,L//2,L-3,L; another last id plays a wrong final layer)"),
+    hs_shift: int = typer.Option(0, help="fault: the connector's states shifted by this many tokens"),
     vllm_version: str = typer.Option("0.17.0", help="what GET /version reports"),
 ) -> None:
     """Run the vLLM-compatible simulator."""
@@ -149,7 +150,8 @@ def sim(
                     max_num_seqs=max_num_seqs, mean_output_tokens=mean_output_tokens, max_model_len=max_model_len,
                     faults=parse_faults(faults), seed=seed, expose_reasoning_content=reasoning_content, hang_s=hang_s,
                     target_model=target_model, hs_dir=hs_dir,
-                    hs_layer_ids=[int(x) for x in hs_layer_ids.split(",") if x.strip()], vllm_version=vllm_version)
+                    hs_layer_ids=[int(x) for x in hs_layer_ids.split(",") if x.strip()], vllm_version=vllm_version,
+                    hs_shift=hs_shift)
     typer.echo(f"simulator on http://{host}:{port}/v1 serving {model} ({profile})")
     serve(cfg, host, port)
 

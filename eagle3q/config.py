@@ -103,6 +103,13 @@ class Settings(BaseSettings):
     hs_vllm_base_url: str = "http://localhost:8001/v1"
     hs_vllm_concurrency: int = 8  # requests in flight per hidden-state worker
     hs_vllm_timeout_s: float = 600.0
+    # The consistency check (eagle3q.eagle3.consistency): on this many generated positions a sample, the final state
+    # through the target's norm and LM head must predict the next token at least `hs_check_min` of the time
+    # (`hs_check_min_greedy` for a sample generated at temperature 0), or the sample is rejected as hs_inconsistent.
+    # 0 = off (needed where the samples are not the target's own text, such as the simulator's word bank).
+    hs_check_positions: int = 32
+    hs_check_min: float = 0.4
+    hs_check_min_greedy: float = 0.8
     # The connector's shared_storage_path as this machine sees it (only for `status`: its backlog and bytes).
     hs_connector_dir: str = ""
 

@@ -4,6 +4,7 @@ The counts add up by construction: pending = incoming - done - rejected, all rea
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from eagle3q.config import get_settings
-from eagle3q.contract import INFERENCE
+from eagle3q.contract import HIDDEN_STATES, INFERENCE
 from eagle3q.control.ledger import STAGES, Ledger, StageCounts
 
 
@@ -66,7 +67,30 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             "server_too_old": c.stats.get("server_too_old", 0),
             "resent_lost": c.stats.get("resent_lost", 0),
         }
+        if c.stats.get("hs_checked"):  # the hidden-state consistency check (eagle3q.eagle3.consistency)
+            n = c.stats["hs_checked"]
+            out["stages"][name]["consistency"] = {"checked": n,
+                                                  "mean_top1": round(c.stats.get("hs_check_milli", 0) / n / 1000, 3),
+                                                  "inconsistent": c.reasons.get("hs_inconsistent", 0)}
+    out["store"] = store_projection(out["stages"], get_settings().store_dir)
     return out
+
+
+def store_projection(stages: dict, store_dir: str) -> dict | None:
+    """The hidden-state files the run will have written when every sample still in the pipeline is extracted: the
+    bytes so far per finished sample x the samples left (enqueued, not rejected, not yet extracted: an upper bound
+    when more will be rejected), against the store's free space."""
+    inf, hs = stages[INFERENCE.name], stages[HIDDEN_STATES.name]
+    if not hs["done"] or not hs["bytes"]:
+        return None
+    left = max(0, inf["incoming"] - inf["rejected"] - hs["done"] - hs["rejected"])
+    more = hs["bytes"] / hs["done"] * left
+    try:
+        free = shutil.disk_usage(store_dir).free
+    except OSError:  # the store is on another machine (status run elsewhere): no free-space figure
+        free = None
+    return {"bytes": hs["bytes"], "projected_bytes": round(hs["bytes"] + more), "samples_left": left,
+            "free_bytes": free, "fits": None if free is None else more <= free}
 
 
 def _token_rate(c: StageCounts) -> float:
@@ -119,8 +143,23 @@ def render(snap: dict) -> Group:
         if st["task_errors"]:
             extra.append(f"[red]unexpected task errors in {name}: {st['task_errors']} (tasks kept and retried; "
                          "see the worker logs)[/red]")
+        if st.get("consistency"):
+            cc = st["consistency"]
+            colour = "red" if cc["inconsistent"] else "green"
+            extra.append(f"[{colour}]{name} consistency: mean top-1 agreement {cc['mean_top1']:.3f} of the final state "
+                         f"with the next token over {cc['checked']} samples, {cc['inconsistent']} rejected as "
+                         f"hs_inconsistent[/{colour}]")
         if st["resent_lost"]:
             extra.append(f"[yellow]{name} tasks lost by the broker and sent again: {st['resent_lost']}[/yellow]")
+    sp = snap.get("store")
+    if sp and sp["samples_left"]:
+        line = (f"store: {_fmt_bytes(sp['bytes'])} of hidden states, {_fmt_bytes(sp['projected_bytes'])} projected "
+                f"when the {sp['samples_left']} samples left are extracted")
+        if sp["free_bytes"] is not None:
+            line += f"; {_fmt_bytes(sp['free_bytes'])} free"
+        if sp["fits"] is False:
+            line = f"[red]{line}: the store will fill before the run ends: free space, or move EAGLE3Q_STORE_DIR[/red]"
+        extra.append(line)
     tr = snap["train"]
     if tr:
         line = f"training: {tr.get('state', '?')} step {tr.get('step', 0)}/{tr.get('total_steps', '?')}"

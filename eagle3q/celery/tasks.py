@@ -133,8 +133,14 @@ def _hidden_context(app: Celery):  # noqa: ANN202
         extractor = TransformersExtractor(s.target_model, s.aux_layer_ids, s.device, s.dtype)
     log.info("target %s loaded: L=%d H=%d aux ids %s (vLLM convention)", s.target_model, extractor.num_layers,
              extractor.hidden_size, extractor.aux_ids)
+    check = None
+    if s.hs_check_positions > 0:
+        from eagle3q.eagle3.consistency import ConsistencyCheck
+
+        check = ConsistencyCheck(s.target_model, s.hs_check_positions, s.hs_check_min, s.hs_check_min_greedy,
+                                 s.device, tokenizer=s.tokenizer or None)
     return HiddenContext(Store(s.store_dir), Ledger.from_url(s.broker_url()), extractor, s.token_budget,
-                         lambda run: send_train(app, run))
+                         lambda run: send_train(app, run), check)
 
 
 # --- the tasks ------------------------------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ from eagle3q.status import render, snapshot
 # the evaluation.
 TRAIN_ENV = {"EAGLE3Q_EPOCHS": "20", "EAGLE3Q_LR": "5e-3", "EAGLE3Q_TRAIN_BATCH_TOKENS": "1024",
              "EAGLE3Q_VAL_FRACTION": "0.2", "EAGLE3Q_CHECKPOINT_EVERY": "100", "EAGLE3Q_TOKEN_BUDGET": "8192",
-             "EAGLE3Q_REQUEST_TIMEOUT_S": "120"}
+             "EAGLE3Q_REQUEST_TIMEOUT_S": "120",
+             # The demo's engines generate greedily (the simulator always, vLLM under the shaping rule): say so, so
+             # the samples record it and the consistency check holds them to the greedy threshold.
+             "EAGLE3Q_TEMPERATURE": "0", "EAGLE3Q_TOP_P": "1"}
 SERVED_KS = (1, 3, 5)  # one speculating engine per k (each start is ~30 s here)
 
 

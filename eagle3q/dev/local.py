@@ -193,6 +193,9 @@ class LocalStack:
             "EAGLE3Q_TOKEN_BUDGET": "4096",
             "EAGLE3Q_DRAFT_VOCAB_SIZE": "512",
         }
+        if sims and "--target-model" not in (sim_args or []):
+            # The word bank's text is not the target's: the hidden-state consistency check would reject it all.
+            self.env["EAGLE3Q_HS_CHECK_POSITIONS"] = "0"
         if password:
             self.env["EAGLE3Q_REDIS_PASSWORD"] = password
         self.env.update(env or {})

@@ -47,5 +47,24 @@ def estimate_for_run(s: Settings, prompts: int, tokens_per_sample: int | None = 
         return None
     per_sample = tokens_per_sample or (s.max_tokens // 2 + 512)
     total = prompts * per_sample * bytes_per_token(h)
-    return (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {bytes_per_token(h)} B/token "
+    line = (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {bytes_per_token(h)} B/token "
             f"(H={h}) = {total / 1e9:.2f} GB")
+    free = _free_bytes(s.store_dir)
+    if free is not None:
+        line += f"; the store {s.store_dir} has {free / 1e9:.2f} GB free"
+        if free < total:
+            line += " (WARNING: not enough; `status` projects the size again from the bytes really written)"
+    return line
+
+
+def _free_bytes(store_dir: str) -> int | None:
+    """Free space where the store is (or would be created): its nearest existing directory."""
+    import shutil
+
+    path = Path(store_dir).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None

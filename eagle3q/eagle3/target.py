@@ -19,6 +19,21 @@ _PATTERNS = {
 }
 
 
+def resolve_model_dir(spec: str | Path) -> Path:
+    """A local model directory, or a hub id (e.g. moonshotai/Kimi-K2.5) already in the local Hugging Face cache
+    (HF_HOME): its snapshot directory. Nothing is downloaded; a hub id not in the cache is a clear error."""
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(spec), local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - not a hub id, or not cached: the same message
+        raise FileNotFoundError(f"the target {spec!r} is neither a directory nor a model in the local Hugging Face "
+                                f"cache (download it first, e.g. `huggingface-cli download {spec}`): {e}") from e
+
+
 def _index(model_dir: Path) -> dict[str, str]:
     idx = model_dir / "model.safetensors.index.json"
     if idx.is_file():
@@ -32,23 +47,35 @@ def _index(model_dir: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
 
 
-def load_target_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """{"embed", "lm_head", "norm"} as float32 (lm_head falls back to the embeddings when they are tied)."""
+def load_target_tensors(model_dir: str | Path, names: tuple[str, ...] = ("embed", "lm_head", "norm"),
+                        as_float32: bool = True) -> dict[str, torch.Tensor]:
+    """The named tensors of {"embed", "lm_head", "norm"}, as float32 (or as stored); lm_head falls back to the
+    embeddings when they are tied. Only the files that hold them are opened, and only these tensors read."""
     from safetensors import safe_open
 
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     weight_map = _index(model_dir)
+
+    def find(name: str) -> str | None:
+        keys = [k for k in weight_map if _PATTERNS[name].search(k) and "layers." not in k]
+        return sorted(keys, key=len)[0] if keys else None
+
+    keys = {n: find(n) for n in names}
+    if "lm_head" in keys and keys["lm_head"] is None:  # tied to the embeddings
+        keys["lm_head"] = find("embed")
+    read: dict[str, torch.Tensor] = {}  # by key: tied embeddings are read once
     out: dict[str, torch.Tensor] = {}
-    for name, pat in _PATTERNS.items():
-        keys = [k for k in weight_map if pat.search(k) and "layers." not in k]
-        if not keys:
+    for name, key in keys.items():
+        if key is None:
             continue
-        key = sorted(keys, key=len)[0]
-        with safe_open(str(model_dir / weight_map[key]), framework="pt") as f:
-            out[name] = f.get_tensor(key).float()
-    if "embed" not in out:
-        raise KeyError(f"no embed_tokens weight in {model_dir}")
-    out.setdefault("lm_head", out["embed"])
+        if key not in read:
+            with safe_open(str(model_dir / weight_map[key]), framework="pt") as f:
+                t = f.get_tensor(key)
+            read[key] = t.float() if as_float32 else t
+        out[name] = read[key]
+    for need in ("embed", "lm_head"):
+        if need in names and need not in out:
+            raise KeyError(f"no {need} weight (nor tied embeddings) in {model_dir}")
     return out
 
 
@@ -67,4 +94,4 @@ def text_config(cfg: Any) -> Any:
 
 def target_config(model_dir: str | Path) -> dict:
     """The target's config.json, unwrapped to its language model."""
-    return text_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    return text_config(json.loads((resolve_model_dir(model_dir) / "config.json").read_text()))

@@ -25,7 +25,7 @@ import httpx
 import torch
 
 from eagle3q.eagle3.extract import Extracted, check_aux_ids, default_aux_ids
-from eagle3q.eagle3.target import target_config
+from eagle3q.eagle3.target import resolve_model_dir, target_config
 from eagle3q.generate.endpoints import ServerTooOld, parse_version
 
 # vLLM's `deepseek_v2` backbone (DeepSeek-V3, Kimi-K2.x) captured aux states only at decoder-layer inputs, so the
@@ -42,7 +42,7 @@ def final_layer_floor(model_dir: str) -> tuple[int, int, int] | None:
     DeepSeek-V2/V3 backbone (DeepSeek-V3, Kimi-K2, Kimi-K2.5 and its multimodal wrapper)."""
     import json
 
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = json.loads((resolve_model_dir(model_dir) / "config.json").read_text())
     names = []
     for cfg in (raw, raw.get("text_config") or {}):
         names += [str(cfg.get("model_type", "")), *map(str, cfg.get("architectures") or [])]

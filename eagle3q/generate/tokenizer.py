@@ -13,6 +13,7 @@ class TokenizerLike(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
+    def special_ids(self) -> set[int]: ...
 
 
 class FastTokenizer:
@@ -33,6 +34,10 @@ class FastTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def special_ids(self) -> set[int]:
+        """The added tokens marked special: chat-template markers, <think>/</think>, end of turn."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
 
 class HFTokenizer:
     """transformers' AutoTokenizer, for tokenizers without a tokenizer.json (e.g. Kimi's, trust_remote_code)."""
@@ -52,6 +57,10 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.convert_tokens_to_ids(token)
         return None if tid is None or tid == self._tok.unk_token_id else int(tid)
+
+    def special_ids(self) -> set[int]:
+        added = {i for i, t in self._tok.added_tokens_decoder.items() if t.special}
+        return added | set(self._tok.all_special_ids)
 
 
 def load_tokenizer(spec: str) -> TokenizerLike:

@@ -41,6 +41,7 @@ class SimConfig:
     hs_dir: str = ""
     vllm_version: str = "0.17.0"  # what /version reports (the vLLM release whose behaviour the simulator follows)
     hs_layer_ids: list[int] = field(default_factory=list)
+    hs_shift: int = 0  # a fault: the connector's states moved this many tokens against the token ids
 
 
 @dataclass

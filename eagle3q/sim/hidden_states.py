@@ -15,7 +15,12 @@ from pathlib import Path
 
 
 class ConnectorWriter:
-    def __init__(self, target_model: str, out_dir: str, layer_ids: list[int] | None):
+    """`layer_ids`' last id is the "final" column: L (the last layer's output before the norm) as a right server
+    writes it; any other id plays a server that returns the wrong layer there (the deepseek_v2 family of bugs, or a
+    misconfigured id list), which vLLM itself would also accept. `shift`: states moved by that many tokens against
+    the token ids (a fault no shape check sees)."""
+
+    def __init__(self, target_model: str, out_dir: str, layer_ids: list[int] | None, shift: int = 0):
         import torch
 
         from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids
@@ -23,10 +28,13 @@ class ConnectorWriter:
 
         num_layers = int(target_config(target_model)["num_hidden_layers"])
         ids = layer_ids or [*default_aux_ids(num_layers), num_layers]
-        if ids[-1] != num_layers:
-            raise ValueError(f"the last layer id must be {num_layers} (the final state), got {ids}")
-        self.layer_ids = ids
+        if not 2 <= ids[-1] <= num_layers:
+            raise ValueError(f"the last layer id must be in 2..{num_layers} (L = the final state), got {ids}")
+        self.layer_ids, self.shift = ids, shift
         self.extractor = TransformersExtractor(target_model, ids[:-1], "cpu", "float32")
+        # A wrong final layer: read as the last aux column of a second extractor.
+        self.final_from = (None if ids[-1] == num_layers else
+                           TransformersExtractor(target_model, [ids[-1] - 2, ids[-1] - 1, ids[-1]], "cpu", "float32"))
         self.torch = torch
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -43,8 +51,11 @@ class ConnectorWriter:
             fcntl.flock(fd, fcntl.LOCK_EX)  # readers wait until the file is whole
             with self._lock:
                 ex = self.extractor.extract([prompt_ids])[0]
-            t, h = len(prompt_ids), self.extractor.hidden_size
-            layers = torch.cat([ex.aux.reshape(t, -1, h), ex.final.reshape(t, 1, h)], 1)
+                t, h = len(prompt_ids), self.extractor.hidden_size
+                final = ex.final if self.final_from is None else self.final_from.extract([prompt_ids])[0].aux[:, 2 * h:]
+            layers = torch.cat([ex.aux.reshape(t, -1, h), final.reshape(t, 1, h)], 1)
+            if self.shift:
+                layers = torch.roll(layers, self.shift, 0)
             save_file({"token_ids": torch.tensor(prompt_ids, dtype=torch.long),
                        "hidden_states": layers.to(torch.bfloat16).contiguous()}, str(path))
         finally:

@@ -37,7 +37,8 @@ class Simulator:
         if cfg.hs_dir:
             from eagle3q.sim.hidden_states import ConnectorWriter
 
-            self.connector = ConnectorWriter(cfg.target_model or cfg.tokenizer, cfg.hs_dir, cfg.hs_layer_ids or None)
+            self.connector = ConnectorWriter(cfg.target_model or cfg.tokenizer, cfg.hs_dir, cfg.hs_layer_ids or None,
+                                             cfg.hs_shift)
 
     def _error(self, status: int, message: str, kind: str, param: str | None = None) -> web.Response:
         body = {"error": {"message": message, "type": kind, "param": param, "code": status}}

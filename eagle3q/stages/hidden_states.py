@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 from eagle3q.contract import HIDDEN_STATES, SampleRef
 from eagle3q.control.ledger import Ledger
-from eagle3q.eagle3.extract import TransformersExtractor, check_tensors, file_is_valid, plan_batches, write_hidden
+from eagle3q.eagle3.consistency import Agreement, ConsistencyCheck
+from eagle3q.eagle3.extract import (
+    Extracted,
+    TransformersExtractor,
+    check_tensors,
+    file_is_valid,
+    plan_batches,
+    write_hidden,
+)
 from eagle3q.metrics import METRICS
 from eagle3q.store import Rejection, Sample, Store
 
@@ -26,6 +34,7 @@ class HiddenContext:
     extractor: TransformersExtractor  # or eagle3q.eagle3.vllm_extract.VllmExtractor: the same interface
     token_budget: int
     fire_train: Callable[[str], None]
+    check: ConsistencyCheck | None = None  # the final state against the tokens (None: EAGLE3Q_HS_CHECK_POSITIONS=0)
 
     def close(self) -> None:
         """At worker shutdown (eagle3q.celery.bootsteps): the vLLM backend's connections and threads."""
@@ -34,18 +43,34 @@ class HiddenContext:
             close()
 
 
-def _reject(ctx: HiddenContext, run: str, sid: str, reason: str, detail: str) -> None:
+def _reject(ctx: HiddenContext, run: str, sid: str, reason: str, detail: str, **stats: int) -> None:
     ctx.store.write_rejection(Rejection(sample_id=sid, run=run, stage=STAGE, reason=reason, detail=detail))
-    if ctx.ledger.mark_rejected(run, STAGE, sid, reason):
+    if ctx.ledger.mark_rejected(run, STAGE, sid, reason, **stats):
         METRICS.rejected(STAGE, reason)
     log.warning("hidden states of %s/%s rejected: %s (%s)", run, sid, reason, detail)
 
 
-def _meta(ctx: HiddenContext, sample: Sample) -> dict:
+def _meta(ctx: HiddenContext, sample: Sample, agreement: Agreement | None) -> dict:
     ex = ctx.extractor
-    return {"sample_id": sample.sample_id, "dataset": sample.dataset, "row": sample.row,
+    meta = {"sample_id": sample.sample_id, "dataset": sample.dataset, "row": sample.row,
             "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers, "hidden_size": ex.hidden_size,
             "final_state": ex.final_state, "backend": ex.backend}
+    if agreement is not None:
+        meta["consistency"] = agreement.as_meta()
+    return meta
+
+
+def _agreement(ctx: HiddenContext, s: Sample, ex: Extracted) -> tuple[Agreement | None, dict[str, int]]:
+    """The consistency check on the states as they will be stored (bf16), and its ledger stats for `status`."""
+    if ctx.check is None:
+        return None, {}
+    import torch
+
+    a = ctx.check.agreement(s.sample_id, s.input_ids, s.loss_mask, ex.final.to(torch.bfloat16),
+                            ctx.extractor.final_state)
+    if not a.positions:
+        return a, {}
+    return a, {"hs_checked": 1, "hs_check_milli": round(a.top1 * 1000)}
 
 
 def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
@@ -88,18 +113,29 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
                  time.monotonic() - t0)
         for s, ex in zip(batch, results, strict=True):
             reason = check_tensors(s.input_ids, ex, ctx.extractor.hidden_size)
+            detail = ex.detail or f"{len(s.input_ids)} tokens"
+            agreement, stats = _agreement(ctx, s, ex) if reason is None else (None, {})
+            greedy = s.sampling.temperature == 0
+            if agreement is not None and not ctx.check.passes(agreement, greedy):
+                reason = "hs_inconsistent"
+                detail = (f"the final state does not predict the sample's next tokens: top-1 agreement "
+                          f"{agreement.top1:.3f} over {agreement.positions} generated positions (threshold "
+                          f"{ctx.check.threshold(greedy)} for a {'greedy' if greedy else 'sampled'} sample), "
+                          f"{agreement.by_offset} with the states shifted by -1/0/+1 tokens"
+                          + (f": the states are shifted by {agreement.offset} against the tokens" if agreement.offset
+                             else ": a wrong layer, or a server that is not the generating model"))
             if reason is None:
                 try:
                     n = write_hidden(ctx.store.hidden_path(run, s.sample_id), s.input_ids, s.loss_mask, ex,
-                                     _meta(ctx, s))
+                                     _meta(ctx, s, agreement))
                 except OverflowError:
                     reason = "hs_nonfinite"
             if reason is not None:
-                _reject(ctx, run, s.sample_id, reason, ex.detail or f"{len(s.input_ids)} tokens")
+                _reject(ctx, run, s.sample_id, reason, detail, **stats)
                 if s.sample_id == ref.sample_id:
                     outcome = f"rejected:{reason}"
                 continue
-            if ctx.ledger.mark_done(run, STAGE, s.sample_id, tokens=len(s.input_ids), bytes=n):
+            if ctx.ledger.mark_done(run, STAGE, s.sample_id, tokens=len(s.input_ids), bytes=n, **stats):
                 METRICS.hidden_written()
     _after(ctx, run)
     return outcome

@@ -4,6 +4,7 @@ transformers backend's, and the connector's directory is left empty."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -21,8 +22,9 @@ def test_pipeline_with_the_vllm_hidden_state_backend(stack_factory, tmp_path, ti
     stack.worker("hidden_states", EAGLE3Q_HS_VLLM_BASE_URL=stack.sim_urls[0])
     stack.enqueue(SAMPLE_DATASET, "hsv", max_samples=8)
     stack.wait_settled("hsv", stages=("inference", "hidden_states"), timeout_s=120)
-    done = stack.ledger.done_ids("hsv", "hidden_states")
-    assert len(done) == 8 and not stack.ledger.rejected("hsv", "hidden_states")
+    done, rejected = stack.ledger.done_ids("hsv", "hidden_states"), stack.ledger.rejected("hsv", "hidden_states")
+    assert len(done) == 8 and not rejected, [stack.store.read_rejection("hsv", "hidden_states", sid).detail
+                                             for sid in rejected]
     ref = TransformersExtractor(str(tiny), None, "cpu", "float32")
     for sid in done:
         sample = stack.store.read_sample("hsv", sid)
@@ -36,6 +38,7 @@ def test_pipeline_with_the_vllm_hidden_state_backend(stack_factory, tmp_path, ti
     with safe_open(str(stack.store.hidden_path("hsv", next(iter(done)))), framework="pt") as f:
         meta = f.metadata()
     assert meta["backend"] == '"vllm"' and meta["final_state"] == '"pre_norm"'
+    assert json.loads(meta["consistency"])["top1"] >= 0.9  # the simulator's greedy text, held to the sampled 0.4
     assert not any(connector.iterdir())  # every connector file and lock read and removed
 
 
@@ -127,3 +130,46 @@ def test_an_extraction_server_that_drops_kimis_final_layer_is_refused(stack_fact
     c = stack.ledger.counts("old", "hidden_states")
     assert stack.ledger.stat("old", "hidden_states", "server_too_old") >= 4
     assert c.done == 0 and c.rejected == 0  # still queued: an upgraded server takes them all
+
+
+def test_states_from_the_wrong_layer_or_shifted_are_rejected_as_inconsistent(stack_factory, tmp_path, tiny):  # noqa: ANN001
+    """Through the vLLM backend: a server whose "final" column is layer L-1, and one whose states are shifted by a
+    token, pass every shape check; the consistency check rejects their samples by name, and passes the right
+    server's with the agreement in the file's metadata and in `status`."""
+    from safetensors import safe_open
+
+    from eagle3q.dev.local import start_sim
+    from eagle3q.status import snapshot
+
+    connector = tmp_path / "connector"
+    stack = stack_factory(sim_args=["--target-model", str(tiny), "--hs-dir", str(connector)],
+                          env={"EAGLE3Q_HS_BACKEND": "vllm", "EAGLE3Q_TRAIN_TARGET": "1000",
+                               "EAGLE3Q_TEMPERATURE": "0", "EAGLE3Q_TOP_P": "1"})
+    stack.worker("inference", concurrency=4)
+    servers = {"right": stack.sim_urls[0]}
+    for name, extra in (("wrong_layer", ["--hs-layer-ids", "2,4,5,7"]), ("shifted", ["--hs-shift", "1"])):
+        proc, url = start_sim(str(tiny), tmp_path / "logs", extra=["--target-model", str(tiny), "--hs-dir",
+                                                                  str(connector), *extra])
+        stack.sims.append(proc)  # stopped with the stack
+        servers[name] = url
+    for name, url in servers.items():
+        worker = stack.worker("hidden_states", EAGLE3Q_HS_VLLM_BASE_URL=url)
+        stack.enqueue(SAMPLE_DATASET, name, max_samples=6)
+        stack.wait_settled(name, stages=("inference", "hidden_states"), timeout_s=120)
+        worker.kill()
+        done, rejected = stack.ledger.done_ids(name, "hidden_states"), stack.ledger.rejected(name, "hidden_states")
+        snap = snapshot(stack.ledger, name)
+        cons = snap["stages"]["hidden_states"]["consistency"]
+        if name == "right":
+            assert len(done) == 6 and not rejected
+            # Everything extracted: the store's projection is what it holds.
+            assert snap["store"]["samples_left"] == 0 and snap["store"]["projected_bytes"] == snap["store"]["bytes"]
+            assert cons["mean_top1"] >= 0.9 and cons["checked"] == 6 and cons["inconsistent"] == 0
+            with safe_open(str(stack.store.hidden_path(name, next(iter(done)))), framework="pt") as f:
+                meta = json.loads(f.metadata()["consistency"])
+            assert meta["top1"] >= 0.85 and meta["positions"] > 10 and meta["offset"] == 0
+            continue
+        assert not done and set(rejected.values()) == {"hs_inconsistent"}, (name, rejected)
+        assert cons["inconsistent"] == 6 and cons["mean_top1"] < 0.8
+        detail = stack.store.read_rejection(name, "hidden_states", next(iter(rejected))).detail
+        assert ("shifted by 1" in detail) == (name == "shifted"), detail

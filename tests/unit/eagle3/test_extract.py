@@ -144,12 +144,15 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
 
 
 def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypatch):  # noqa: ANN001
+    import shutil
+
     from eagle3q.config import Settings
     from eagle3q.eagle3.estimate import bytes_per_token, estimate_for_run
 
     assert bytes_per_token(7168) == 2 * 7168 * 4 + 9  # Kimi-K2.5: ~57 KB per token
     local = estimate_for_run(Settings(target_model=str(tiny), max_tokens=1024), 100, tokens_per_sample=1000)
     assert local and "H=64" in local and f"{100 * 1000 * bytes_per_token(64) / 1e9:.2f} GB" in local
+    assert "GB free" in local and "WARNING" not in local  # 12.9 MB fits anywhere
     # A hub id whose config is in the local Hugging Face cache (Kimi-K2.5 nests it under text_config).
     snap = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5" / "snapshots" / "abc"
     snap.mkdir(parents=True)
@@ -161,4 +164,28 @@ def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypat
     total = 10_000 * 2000 * bytes_per_token(7168)
     assert 1.1e12 < total < 1.2e12  # the ~1.1 TB of DESIGN.md
     assert est and "H=7168" in est and f"{total / 1e9:.2f} GB" in est
+    if shutil.disk_usage(tmp_path).free < total:  # 1.1 TB: more than this machine's disk
+        assert "WARNING: not enough" in est
     assert estimate_for_run(Settings(target_model="nobody/unknown-model"), 10, tokens_per_sample=10) is None
+
+
+def test_a_hub_id_in_the_local_cache_is_a_target_directory(tiny, tmp_path, monkeypatch):  # noqa: ANN001
+    """EAGLE3Q_TARGET_MODEL=moonshotai/Kimi-K2.5 with the model downloaded into HF_HOME (the compose file's
+    default): the head, norm and config are read from the cache's snapshot; nothing is downloaded, and an id that
+    is not cached names the fix."""
+    import shutil
+
+    from eagle3q.eagle3.target import load_target_tensors, resolve_model_dir, target_config
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snap = repo / "snapshots" / "abc"
+    shutil.copytree(tiny, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_dir("acme/tiny") == snap and resolve_model_dir(tiny) == tiny
+    assert target_config("acme/tiny")["hidden_size"] == target_config(tiny)["hidden_size"]
+    assert torch.equal(load_target_tensors("acme/tiny")["lm_head"], load_target_tensors(tiny)["lm_head"])
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download acme/absent"):
+        resolve_model_dir("acme/absent")
