@@ -301,7 +301,22 @@ def export_data_cmd(
     except ExportError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{rep.out_dir}: {rep.total} samples as {rep.fmt} ({rep.written} written, {rep.skipped} already there)")
+    typer.echo(f"{rep.out_dir}: {rep.total} samples as {rep.fmt}, {rep.hs_dtype} ({rep.written} written, "
+               f"{rep.skipped} already there)")
+    if rep.reader_hint():
+        typer.echo(rep.reader_hint())
+
+
+@app.command("check-extraction")
+def check_extraction_cmd() -> None:
+    """Before a long run: one greedy sample from the generation server through the extraction server
+    (EAGLE3Q_HS_VLLM_BASE_URL), printed raw, with the layer count, shapes and the consistency figure; exit 1 when a
+    check fails."""
+    from eagle3q.config import get_settings
+    from eagle3q.eagle3.first_contact import check_extraction
+
+    if not check_extraction(get_settings(), typer.echo):
+        raise typer.Exit(1)
 
 
 @app.command()

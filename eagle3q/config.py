@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     hs_check_positions: int = 32
     hs_check_min: float = 0.4
     hs_check_min_greedy: float = 0.8
+    # How the store keeps the states: bf16, or fp8 (e4m3 with a float32 scale per token and layer: half the bytes,
+    # eagle3q.eagle3.fp8); training and export-data read both.
+    hs_dtype: Literal["bf16", "fp8"] = "bf16"
     # The connector's shared_storage_path as this machine sees it (only for `status`: its backlog and bytes).
     hs_connector_dir: str = ""
 

@@ -26,20 +26,30 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="session")
-def hidden_run(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
-    """A store whose run "r" has 5 samples' hidden-state files, extracted by the real extractor from the tiny
-    target (generated tokens from position 6 on)."""
+def _hidden_store(tiny: Path, root: Path, hs_dtype: str) -> Store:
     from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
 
-    store = Store(tmp_path_factory.mktemp("hidden_run"))
+    store = Store(root)
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     for i in range(5):
         ids = list(range(3 + i, 23 + 3 * i))
         write_hidden(store.hidden_path("r", f"{i:032x}"), ids, [0] * 6 + [1] * (len(ids) - 6),
                      ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state,
-                                            "dataset": "d", "row": i})
+                                            "dataset": "d", "row": i}, hs_dtype)
     return store
+
+
+@pytest.fixture(scope="session")
+def hidden_run(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
+    """A store whose run "r" has 5 samples' hidden-state files, extracted by the real extractor from the tiny
+    target (generated tokens from position 6 on)."""
+    return _hidden_store(tiny, tmp_path_factory.mktemp("hidden_run"), "bf16")
+
+
+@pytest.fixture(scope="session")
+def hidden_run_fp8(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
+    """The same 5 samples stored in fp8 (EAGLE3Q_HS_DTYPE=fp8)."""
+    return _hidden_store(tiny, tmp_path_factory.mktemp("hidden_run_fp8"), "fp8")
 
 
 @pytest.fixture

@@ -140,7 +140,7 @@ def _hidden_context(app: Celery):  # noqa: ANN202
         check = ConsistencyCheck(s.target_model, s.hs_check_positions, s.hs_check_min, s.hs_check_min_greedy,
                                  s.device, tokenizer=s.tokenizer or None)
     return HiddenContext(Store(s.store_dir), Ledger.from_url(s.broker_url()), extractor, s.token_budget,
-                         lambda run: send_train(app, run), check)
+                         lambda run: send_train(app, run), check, s.hs_dtype)
 
 
 # --- the tasks ------------------------------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ from eagle3q.eagle3.target import text_config
 BF16 = 2
 
 
-def bytes_per_token(hidden_size: int, n_aux: int = 3) -> int:
-    # aux [3H] + final [H] in bf16, plus input id (int64) and loss mask (uint8)
+def bytes_per_token(hidden_size: int, n_aux: int = 3, hs_dtype: str = "bf16") -> int:
+    # aux [3H] + final [H] in bf16 (fp8: 1 byte each and a float32 scale per layer), plus input id (int64) and loss
+    # mask (uint8)
+    if hs_dtype == "fp8":
+        return (hidden_size + 4) * (n_aux + 1) + 8 + 1
     return BF16 * hidden_size * (n_aux + 1) + 8 + 1
 
 
@@ -46,9 +49,10 @@ def estimate_for_run(s: Settings, prompts: int, tokens_per_sample: int | None = 
     if h is None or prompts == 0:
         return None
     per_sample = tokens_per_sample or (s.max_tokens // 2 + 512)
-    total = prompts * per_sample * bytes_per_token(h)
-    line = (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {bytes_per_token(h)} B/token "
-            f"(H={h}) = {total / 1e9:.2f} GB")
+    per_token = bytes_per_token(h, hs_dtype=s.hs_dtype)
+    total = prompts * per_sample * per_token
+    line = (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {per_token} B/token "
+            f"(H={h}, {s.hs_dtype}) = {total / 1e9:.2f} GB")
     free = _free_bytes(s.store_dir)
     if free is not None:
         line += f"; the store {s.store_dir} has {free / 1e9:.2f} GB free"

@@ -4,6 +4,10 @@
   [T, n_aux + 1, H] bf16 (the aux layers in layer order, then the final state before the target's norm: its trainer
   applies the verifier norm itself), and an Arrow data set in `OUT` (`save_to_disk`, torch format) with
   `input_ids`, `loss_mask` and `seq_len`, row i matching file i. Its `ArrowDataset(datapath=OUT)` reads it.
+  A store kept in fp8 (EAGLE3Q_HS_DTYPE=fp8) exports in fp8, as hs_connectors' FP8 connector writes it:
+  `hidden_states` e4m3 with `hidden_states_scales` float32 [T, n_aux + 1, 1] (one scale per token and layer, which
+  its reader broadcasts like its own [T, 1, 1]); its trainer reads it with `--hidden-states-backend fp8`
+  (`FP8Transfer`), and the plain file backend would hand it unscaled e4m3: the export says so.
 - SpecForge (0.2): `OUT/data_{i}.ckpt` (`torch.save`) with `input_ids` [T], `loss_mask` [T] (int64),
   `hidden_state` [1, T, H] after the target's final norm (its target head applies none) and `aux_hidden_state`
   [1, T, 3H] bf16, as its `prepare_hidden_states.py` writes them; `process_offline_eagle3_sample` reads them.
@@ -26,12 +30,14 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.extract import read_hidden
+from eagle3q.eagle3.extract import read_hidden, stored_dtype
+from eagle3q.eagle3.fp8 import SCALES_SUFFIX
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.store import Store, write_atomic
 
 FORMATS = ("speculators", "specforge")
 MANIFEST = "eagle3q-export.json"
+PEER_SCALES = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 
 class ExportError(Exception):
@@ -45,6 +51,12 @@ class ExportReport:
     total: int
     written: int
     skipped: int
+    hs_dtype: str = "bf16"  # of the files written (speculators: the store's; SpecForge: always bf16)
+
+    def reader_hint(self) -> str:
+        if self.fmt == "speculators" and self.hs_dtype == "fp8":
+            return "fp8 hidden states: train with speculators' `--hidden-states-backend fp8` (its FP8Transfer)"
+        return ""
 
 
 def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str]) -> list[str]:
@@ -81,6 +93,7 @@ class _Norm:
 
 
 def _speculators_file(t: dict[str, torch.Tensor], final_state: str) -> bytes:
+    """t as `read_hidden(restore=False)` gives it: an fp8 file's e4m3 states and their `*_scales`, kept as they are."""
     from safetensors.torch import save
 
     if final_state != "pre_norm":
@@ -89,8 +102,14 @@ def _speculators_file(t: dict[str, torch.Tensor], final_state: str) -> bytes:
     n, width = t["aux_hidden_states"].shape
     h = t["hidden_state"].shape[-1]
     layers = torch.cat([t["aux_hidden_states"].reshape(n, width // h, h), t["hidden_state"].reshape(n, 1, h)], 1)
-    return save({"token_ids": t["input_ids"].long().contiguous(),
-                 "hidden_states": layers.to(torch.bfloat16).contiguous()})
+    out = {"token_ids": t["input_ids"].long().contiguous()}
+    if "hidden_state" + SCALES_SUFFIX in t:
+        out["hidden_states"] = layers.contiguous()
+        out[PEER_SCALES] = torch.cat([t["aux_hidden_states" + SCALES_SUFFIX],
+                                      t["hidden_state" + SCALES_SUFFIX]], 1).float().contiguous()
+    else:
+        out["hidden_states"] = layers.to(torch.bfloat16).contiguous()
+    return save(out)
 
 
 def _specforge_file(t: dict[str, torch.Tensor], final_state: str, norm: _Norm | None) -> bytes:
@@ -117,10 +136,12 @@ def _write_arrow(out_dir: Path, files: list[Path]) -> None:
     import datasets
 
     def rows() -> Iterator[dict]:
+        from safetensors import safe_open
+
         for f in files:
-            t, _ = read_hidden(f)
-            yield {"input_ids": t["input_ids"].long().tolist(), "loss_mask": t["loss_mask"].long().tolist(),
-                   "seq_len": int(t["input_ids"].numel())}
+            with safe_open(str(f), framework="pt") as st:  # the ids and mask only, not the states
+                ids, mask = st.get_tensor("input_ids"), st.get_tensor("loss_mask")
+            yield {"input_ids": ids.long().tolist(), "loss_mask": mask.long().tolist(), "seq_len": int(ids.numel())}
 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
@@ -148,6 +169,7 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
     missing = [i for i in order if i not in by_id]
     if missing:
         raise ExportError(f"{len(missing)} samples of the earlier export are gone from the store (e.g. {missing[0]})")
+    hs_dtype = stored_dtype(by_id[order[0]]) if fmt == "speculators" else "bf16"
     norm = None
     if fmt == "specforge":
         first_state = read_hidden(by_id[order[0]])[1]
@@ -164,7 +186,13 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
         if dest.is_file():  # written atomically: present means complete
             skipped += 1
         else:
-            t, final_state = read_hidden(by_id[sid])
+            # speculators keeps fp8 as it is stored; SpecForge's reader knows bf16 only (restored, then rounded).
+            if fmt == "speculators" and stored_dtype(by_id[sid]) != hs_dtype:
+                # One reader backend reads the whole directory: it cannot mix bf16 and fp8 files.
+                raise ExportError(f"run {run!r} holds both bf16 and fp8 files (EAGLE3Q_HS_DTYPE changed mid-run, "
+                                  f"{sid} is not {hs_dtype}): speculators reads a directory with one backend; "
+                                  "export to SpecForge (bf16) instead")
+            t, final_state = read_hidden(by_id[sid], restore=fmt != "speculators")
             data = _speculators_file(t, final_state) if fmt == "speculators" else _specforge_file(t, final_state, norm)
             dest.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(dest, data)
@@ -173,4 +201,4 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
     bar.close()
     if fmt == "speculators":
         _write_arrow(out_dir, [by_id[i] for i in order])
-    return ExportReport(out_dir, fmt, len(order), written, skipped)
+    return ExportReport(out_dir, fmt, len(order), written, skipped, hs_dtype)

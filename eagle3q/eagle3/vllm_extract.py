@@ -191,15 +191,25 @@ class VllmExtractor:
                 else "its /health fails now: the engine died after answering")
 
     def _check(self, ids: list[int], data: dict[str, torch.Tensor]) -> Extracted:
-        if data.get("token_ids") is None or data["token_ids"].tolist() != ids:
-            return _rejected("hs_prompt_mismatch", "the connector's token_ids are not the sample's")
-        hs = data.get("hidden_states")
-        want = (len(ids), len(self.aux_ids) + 1, self.hidden_size)
-        if hs is None or tuple(hs.shape) != want:
-            return _rejected("hs_length_mismatch", f"hidden_states {None if hs is None else tuple(hs.shape)}, "
-                             f"expected {want} (the server's layer ids must be {self.aux_ids + [self.num_layers]})")
-        t = len(ids)
-        return Extracted(hs[:, :-1].reshape(t, -1).float(), hs[:, -1].float())
+        return connector_states(data, ids, self.aux_ids, self.num_layers, self.hidden_size)
+
+
+def connector_states(data: dict[str, torch.Tensor], ids: list[int], aux_ids: list[int], num_layers: int,
+                     hidden_size: int) -> Extracted:
+    """A connector file's tensors as (aux [T, 3H], final [T, H]) float32, or a named rejection. Reads vLLM's
+    ExampleHiddenStatesConnector (bf16 `hidden_states` [T, 4, H]) and hs_connectors' FP8HiddenStatesConnector
+    (e4m3 with `hidden_states_scales` [T, 1, 1]: half the bytes through the shared directory)."""
+    if data.get("token_ids") is None or data["token_ids"].tolist() != ids:
+        return _rejected("hs_prompt_mismatch", "the connector's token_ids are not the sample's")
+    hs = data.get("hidden_states")
+    want = (len(ids), len(aux_ids) + 1, hidden_size)
+    if hs is None or tuple(hs.shape) != want:
+        return _rejected("hs_length_mismatch", f"hidden_states {None if hs is None else tuple(hs.shape)}, "
+                         f"expected {want} (the server's layer ids must be {[*aux_ids, num_layers]})")
+    t = len(ids)
+    scales = data.get("hidden_states_scales")
+    hs = hs.float() * scales.float() if scales is not None else hs.float()
+    return Extracted(hs[:, :-1].reshape(t, -1), hs[:, -1])
 
 
 def _rejected(reason: str, detail: str) -> Extracted:

@@ -35,6 +35,7 @@ class HiddenContext:
     token_budget: int
     fire_train: Callable[[str], None]
     check: ConsistencyCheck | None = None  # the final state against the tokens (None: EAGLE3Q_HS_CHECK_POSITIONS=0)
+    hs_dtype: str = "bf16"  # EAGLE3Q_HS_DTYPE: how the files keep the states
 
     def close(self) -> None:
         """At worker shutdown (eagle3q.celery.bootsteps): the vLLM backend's connections and threads."""
@@ -61,12 +62,13 @@ def _meta(ctx: HiddenContext, sample: Sample, agreement: Agreement | None) -> di
 
 
 def _agreement(ctx: HiddenContext, s: Sample, ex: Extracted) -> tuple[Agreement | None, dict[str, int]]:
-    """The consistency check on the states as they will be stored (bf16), and its ledger stats for `status`."""
+    """The consistency check on the states as they will be stored (bf16, or fp8 restored), and its ledger stats for
+    `status`."""
     if ctx.check is None:
         return None, {}
-    import torch
+    from eagle3q.eagle3.fp8 import as_stored
 
-    a = ctx.check.agreement(s.sample_id, s.input_ids, s.loss_mask, ex.final.to(torch.bfloat16),
+    a = ctx.check.agreement(s.sample_id, s.input_ids, s.loss_mask, as_stored(ex.final, ctx.hs_dtype),
                             ctx.extractor.final_state)
     if not a.positions:
         return a, {}
@@ -127,7 +129,7 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
             if reason is None:
                 try:
                     n = write_hidden(ctx.store.hidden_path(run, s.sample_id), s.input_ids, s.loss_mask, ex,
-                                     _meta(ctx, s, agreement))
+                                     _meta(ctx, s, agreement), ctx.hs_dtype)
                 except OverflowError:
                     reason = "hs_nonfinite"
             if reason is not None:

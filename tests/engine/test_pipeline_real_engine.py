@@ -91,6 +91,19 @@ def test_samples_and_hidden_states_are_the_real_engines(trained: LocalStack, tin
     assert (trained.store.train_dir(RUN) / "export" / "model.safetensors").is_file()
 
 
+def test_check_extraction_on_the_real_engines(trained: LocalStack) -> None:
+    """`eagle3q check-extraction` against vLLM's generating engine and its extraction engine: exit 0, the states
+    of the configured layers, and the consistency figure printed."""
+    r = subprocess.run([sys.executable, "-m", "eagle3q.cli", "check-extraction"], capture_output=True, text=True,
+                       timeout=300, env=child_env(trained.env))
+    print(r.stdout)  # the raw first contact, for the log
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[FAIL]" not in r.stdout and "all checks passed" in r.stdout
+    assert f"layer ids asked {[*default_aux_ids(8), 8]}" in r.stdout and '"offset": 0' in r.stdout
+    top1 = float(re.search(r'"top1": ([\d.]+)', r.stdout)[1])
+    assert top1 >= 0.95, r.stdout
+
+
 @pytest.fixture(scope="module")
 def speculating(trained: LocalStack, tiny: Path, tmp_path_factory: pytest.TempPathFactory,
                 engines: list[Engine]) -> Engine:

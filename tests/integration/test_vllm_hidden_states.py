@@ -173,3 +173,31 @@ def test_states_from_the_wrong_layer_or_shifted_are_rejected_as_inconsistent(sta
         assert cons["inconsistent"] == 6 and cons["mean_top1"] < 0.8
         detail = stack.store.read_rejection(name, "hidden_states", next(iter(rejected))).detail
         assert ("shifted by 1" in detail) == (name == "shifted"), detail
+
+
+def test_check_extraction_passes_the_right_server_and_fails_a_wrong_layer(stack_factory, tmp_path, tiny):  # noqa: ANN001
+    """`eagle3q check-extraction` (the extraction server's first contact): one greedy sample from the generation
+    server, through the extraction server, printed raw with the layer ids, shapes and the consistency figure; exit
+    0 on the right server, 1 on one whose "final" state is layer L-1."""
+    import subprocess
+    import sys
+
+    from eagle3q.dev.local import child_env, start_sim
+
+    connector = tmp_path / "connector"
+    stack = stack_factory(sim_args=["--target-model", str(tiny), "--hs-dir", str(connector)])
+    proc, wrong = start_sim(str(tiny), tmp_path / "logs", extra=["--target-model", str(tiny), "--hs-dir",
+                                                                str(connector), "--hs-layer-ids", "2,4,5,7"])
+    stack.sims.append(proc)
+    results = {}
+    for name, url in (("right", stack.sim_urls[0]), ("wrong", wrong)):
+        env = child_env({**stack.env, "EAGLE3Q_VLLM_BASE_URLS": stack.sim_urls[0], "EAGLE3Q_HS_VLLM_BASE_URL": url})
+        results[name] = subprocess.run([sys.executable, "-m", "eagle3q.cli", "check-extraction"], env=env,
+                                       capture_output=True, text=True, timeout=120)
+    right, bad = results["right"], results["wrong"]
+    assert right.returncode == 0, right.stdout + right.stderr
+    assert "token_ids (" in right.stdout and "layer ids asked [2, 4, 5, 8]" in right.stdout
+    assert "aux_hidden_states (" in right.stdout and '"offset": 0' in right.stdout
+    assert "[FAIL]" not in right.stdout and "all checks passed" in right.stdout
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "[FAIL] the final state predicts the next token" in bad.stdout, bad.stdout

@@ -62,6 +62,48 @@ def test_speculators_reads_our_export_and_its_trainer_gets_the_targets_logits(hi
         assert (logits.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
 
 
+def test_speculators_reads_our_fp8_export_with_its_fp8_backend(hidden_run, hidden_run_fp8, tmp_path, tiny):  # noqa: ANN001
+    """A store kept in fp8 exports in hs_connectors' FP8 layout (e4m3 `hidden_states` + `hidden_states_scales`, one
+    scale per token and layer): the backend speculators' trainer builds for `--hidden-states-backend fp8` reads
+    it, its validator passes, and its trainer's inputs equal ours (restored) and the bf16 export's within e4m3's
+    rounding, at half the bytes. SpecForge reads the same fp8 store's export, restored to its bf16."""
+    import argparse
+
+    from hs_connectors import FP8Backend
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.train.data import ArrowDataset
+
+    from eagle3q.eagle3.extract import read_hidden
+
+    out, ref = tmp_path / "speculators-fp8", tmp_path / "speculators-bf16"
+    rep = export_data(hidden_run_fp8, "r", "speculators", out, str(tiny), progress=False)
+    assert rep.hs_dtype == "fp8" and "--hidden-states-backend fp8" in rep.reader_hint()
+    assert export_data(hidden_run, "r", "speculators", ref, str(tiny), progress=False).reader_hint() == ""
+    transfer = FP8Backend.from_train_args(argparse.Namespace(hidden_states_path=None), str(out))
+    ds = ArrowDataset(max_len=4096, datapath=out, transfer=transfer, on_missing="raise")
+    plain = ArrowDataset(max_len=4096, datapath=ref, on_missing="raise")
+    files = sorted(hidden_run_fp8.hidden_files("r"), key=lambda f: f.stem)
+    tensors, eps = load_target_tensors(tiny), target_config(tiny)["rms_norm_eps"]
+    for i in range(len(ds)):
+        name = f"hs_{i}.safetensors"
+        raw = load_file(str(out / "hidden_states" / name))
+        assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_states_scales"].shape[1:] == (4, 1)
+        assert (out / "hidden_states" / name).stat().st_size < 0.6 * (ref / "hidden_states" / name).stat().st_size
+        check_hidden_states(transfer.get_cached(i), ds.data[i]["input_ids"].tolist())  # restored by its backend
+        item, want = ds[i], plain[i]
+        ours, _ = read_hidden(files[i])
+        torch.testing.assert_close(item["hidden_states"].float(), ours["aux_hidden_states"], atol=0, rtol=2**-7)
+        for key in ("hidden_states", "verifier_last_hidden_states"):
+            a, b = item[key].float(), want[key].float()
+            assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 0.05, key
+        logits = _rms_norm(item["verifier_last_hidden_states"], tensors["norm"], eps) @ tensors["lm_head"].T
+        exact = _rms_norm(want["verifier_last_hidden_states"], tensors["norm"], eps) @ tensors["lm_head"].T
+        assert (logits.argmax(-1) == exact.argmax(-1)).float().mean() > 0.8
+    sf = tmp_path / "specforge-fp8"
+    assert export_data(hidden_run_fp8, "r", "specforge", sf, str(tiny), progress=False).hs_dtype == "bf16"
+    assert torch.load(sf / "data_0.ckpt")["aux_hidden_state"].dtype == torch.bfloat16
+
+
 def test_specforge_reads_our_export_with_its_own_reader(hidden_run, tmp_path, tiny):  # noqa: ANN001
     from specforge.data.preprocessing import process_offline_eagle3_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
@@ -174,3 +216,30 @@ def test_speculators_hidden_state_client_accepts_our_simulator(tiny, tmp_path): 
         assert handle == params["hidden_states_path"] and not Path(handle + ".lock").exists()
     finally:
         proc.kill()
+
+
+def test_the_vllm_backend_reads_hs_connectors_fp8_connector_files(tiny, tmp_path):  # noqa: ANN001
+    """A vLLM serving with hs_connectors' FP8HiddenStatesConnector writes e4m3 `hidden_states` with its per-token
+    `hidden_states_scales` (its own quantizer, as its `_write_tensors` calls it): the hidden-state backend reads
+    them back within e4m3's rounding of the bf16 states, and refuses a file of the wrong shape by name."""
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+    from safetensors.torch import save_file
+
+    from eagle3q.eagle3.extract import TransformersExtractor
+    from eagle3q.eagle3.vllm_extract import connector_states
+
+    ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
+    ids = list(range(5, 69))
+    ref = ex.extract([ids])[0]
+    h = ex.hidden_size
+    layers = torch.cat([ref.aux.reshape(len(ids), 3, h), ref.final.reshape(len(ids), 1, h)], 1).to(torch.bfloat16)
+    q, scale = quantize_tensor_to_fp8(layers)
+    save_file({"hidden_states": q, SCALES_KEY: scale, "token_ids": torch.tensor(ids)}, str(tmp_path / "c.safetensors"))
+    data = load_file(str(tmp_path / "c.safetensors"))
+    got = connector_states(data, ids, ex.aux_ids, ex.num_layers, h)
+    assert got.reason is None and got.aux.shape == (len(ids), 3 * h) and got.final.shape == (len(ids), h)
+    for a, b in ((got.aux, ref.aux), (got.final, ref.final)):
+        # one scale for all four layers (theirs): the error is against the token's largest layer
+        assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 0.1
+    assert connector_states(data, ids[:-1], ex.aux_ids, ex.num_layers, h).reason == "hs_prompt_mismatch"
+    assert connector_states(data, ids, ex.aux_ids, ex.num_layers, h + 1).reason == "hs_length_mismatch"

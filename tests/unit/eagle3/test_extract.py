@@ -143,6 +143,47 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_fp8_files_hold_half_the_bytes_and_restore_within_e4m3_rounding(extractor, tmp_path):  # noqa: ANN001
+    """EAGLE3Q_HS_DTYPE=fp8: e4m3 with a float32 scale per token and layer; read back as float32 within e4m3's
+    rounding (3 mantissa bits: <= 1/16 of a value, and a scale's step near zero), the same ids and mask, and the
+    size that `bytes_per_token` promises."""
+    from eagle3q.eagle3.estimate import bytes_per_token
+    from eagle3q.eagle3.extract import read_hidden, stored_dtype
+
+    ids = list(range(7, 207))
+    ex = extractor.extract([ids])[0]
+    ex = type(ex)(ex.aux.clone(), ex.final.clone())
+    ex.final[5] *= 300  # a token with an outlier: its own scale, the other tokens keep theirs
+    meta = {"aux_layer_ids": extractor.aux_ids, "final_state": extractor.final_state}
+    sizes = {d: write_hidden(tmp_path / f"{d}.safetensors", ids, [0] * 20 + [1] * 180, ex, meta, d)
+             for d in ("bf16", "fp8")}
+    h = extractor.hidden_size
+    for d, n in sizes.items():
+        header = n - 200 * bytes_per_token(h, hs_dtype=d)
+        assert 0 < header < 2000, (d, n)  # the rest is the safetensors header (names, shapes, metadata)
+    assert 0.5 < sizes["fp8"] / sizes["bf16"] < 0.6  # H=64: (4 x 68 + 9) / (8 x 64 + 9) = 0.54; Kimi: 0.50
+    assert stored_dtype(tmp_path / "fp8.safetensors") == "fp8" and stored_dtype(tmp_path / "bf16.safetensors") == "bf16"
+    t, final_state = read_hidden(tmp_path / "fp8.safetensors")
+    assert final_state == extractor.final_state and t["input_ids"].tolist() == ids and int(t["loss_mask"].sum()) == 180
+    for key, want, layers in (("aux_hidden_states", ex.aux, 3), ("hidden_state", ex.final, 1)):
+        got = t[key]
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        amax = want.reshape(200, layers, h).abs().amax(-1, keepdim=True).expand(200, layers, h).reshape(want.shape)
+        err = (got - want).abs()
+        assert bool((err <= want.abs() / 16 + amax * 2**-9).all()), key
+        rel = (err.norm(dim=-1) / want.norm(dim=-1)).max().item()
+        assert rel < 0.05, (key, rel)
+    # The outlier token did not cost the others their precision (a scale per token, not per file).
+    assert (t["hidden_state"][6] - ex.final[6]).abs().max() <= ex.final[6].abs().max() / 16
+    raw, _ = read_hidden(tmp_path / "fp8.safetensors", restore=False)
+    assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    assert raw["aux_hidden_states_scales"].shape == (200, 3, 1)
+    assert raw["hidden_state_scales"].dtype == torch.float32 and raw["hidden_state_scales"].shape == (200, 1, 1)
+    assert load_hidden(tmp_path / "fp8.safetensors")["hidden_state"].dtype == torch.float32
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        write_hidden(tmp_path / "x.safetensors", ids, [1] * 200, ex, meta, "int4")
+
+
 def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypatch):  # noqa: ANN001
     import shutil
 
@@ -150,6 +191,9 @@ def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypat
     from eagle3q.eagle3.estimate import bytes_per_token, estimate_for_run
 
     assert bytes_per_token(7168) == 2 * 7168 * 4 + 9  # Kimi-K2.5: ~57 KB per token
+    assert bytes_per_token(7168, hs_dtype="fp8") == 7172 * 4 + 9  # and half that in fp8
+    fp8 = estimate_for_run(Settings(target_model=str(tiny), hs_dtype="fp8"), 100, tokens_per_sample=1000)
+    assert fp8 and "fp8" in fp8 and f"{100 * 1000 * bytes_per_token(64, hs_dtype='fp8') / 1e9:.2f} GB" in fp8
     local = estimate_for_run(Settings(target_model=str(tiny), max_tokens=1024), 100, tokens_per_sample=1000)
     assert local and "H=64" in local and f"{100 * 1000 * bytes_per_token(64) / 1e9:.2f} GB" in local
     assert "GB free" in local and "WARNING" not in local  # 12.9 MB fits anywhere
