@@ -69,6 +69,11 @@ def enqueue(
     if rep.stopped_full:
         typer.echo("  the backlog is full: stopped before the end of the data set; run the same command again to "
                    "top it up")
+    if rep.duplicate_prompts:
+        typer.echo(f"  {rep.duplicate_prompts} prompts repeat an earlier one"
+                   + (f": {len(rep.skipped_duplicates)} not sent, rejected as duplicate_prompt (temperature 0: "
+                      "the same completion)"
+                      if rep.skipped_duplicates else " (sent: sampled, each is more data)"))
     for b in rep.bad_rows[:20]:
         typer.echo(f"  row {b.row}: {b.reason}")
     if len(rep.bad_rows) > 20:
@@ -289,19 +294,22 @@ def export_data_cmd(
     out_dir: Path = typer.Argument(..., help="an empty directory, or an earlier export of the same run to resume"),
     fmt: str = typer.Option(..., "--format", help="speculators | specforge"),
 ) -> None:
-    """Write a run's samples in a peer trainer's own layout (speculators: hs_{i}.safetensors + Arrow data set;
-    SpecForge: data_{i}.ckpt), streaming and resumable."""
+    """Write a run's samples in a peer trainer's own layout (speculators: hs_{i}.safetensors + Arrow data set,
+    training rows first; SpecForge: train/ and eval/ data_{i}.ckpt), with the held-out split and the vocabulary in
+    the peer's own files; streaming and resumable. Prints the peer's flags that read the split."""
     from eagle3q.config import get_settings
     from eagle3q.eagle3.peer_export import ExportError, export_data
     from eagle3q.store import Store
 
     s = get_settings()
     try:
-        rep = export_data(Store(s.store_dir), run, fmt, out_dir, s.target_model)
+        rep = export_data(Store(s.store_dir), run, fmt, out_dir, s.target_model, val_fraction=s.val_fraction,
+                          draft_vocab_size=s.draft_vocab_size)
     except ExportError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{rep.out_dir}: {rep.total} samples as {rep.fmt}, {rep.hs_dtype} ({rep.written} written, "
+    split = f", {rep.total - rep.val_count} training + {rep.val_count} held out" if rep.train_count is not None else ""
+    typer.echo(f"{rep.out_dir}: {rep.total} samples as {rep.fmt}, {rep.hs_dtype}{split} ({rep.written} written, "
                f"{rep.skipped} already there)")
     if rep.reader_hint():
         typer.echo(rep.reader_hint())

@@ -22,12 +22,15 @@ from eagle3q.config import Settings
 from eagle3q.contract import INFERENCE, InferenceTask, Message, Sampling, send_generate, send_train
 from eagle3q.control.ledger import Ledger
 from eagle3q.ids import sample_id
+from eagle3q.prompt_keys import prompt_key
 from eagle3q.sources import BadRow, Prompt, iter_prompts
 
 # Batches grow from FIRST_BATCH to BATCH: the first tasks reach the consumers at once, later ones go in bulk.
 FIRST_BATCH = 8
 BATCH = 500
 log = logging.getLogger("eagle3q.producer")
+# The rejection reason of a prompt not generated because it repeats an earlier one at temperature 0.
+DUPLICATE_PROMPT = "duplicate_prompt"
 
 
 class SettingsError(ValueError):
@@ -47,6 +50,8 @@ class EnqueueReport:
     stopped_full: bool = False  # wait=False and the backlog was full: run again to continue
     waited_s: float = 0.0  # time spent waiting for room in the backlog
     first_sent_s: float | None = None  # from the start to the first task on the queue
+    duplicate_prompts: int = 0  # prompts that repeat an earlier one of the data set (eagle3q.prompt_keys)
+    skipped_duplicates: dict[str, str] = field(default_factory=dict)  # "row:turn" -> the one it repeats (greedy)
 
     @property
     def rate(self) -> float:
@@ -142,15 +147,32 @@ def enqueue(
             send(fresh[:n])
             fresh = fresh[n:]
 
+    # Exact duplicate prompts (eagle3q.prompt_keys): at temperature 0 the same prompt gives the same completion, so
+    # only its first row is generated; each repeat ends at once as rejected `duplicate_prompt` in the inference stage
+    # (every prompt in exactly one place: the counts still add up) and the ledger names the row it repeats. Sampling,
+    # each repeat is more data and is sent. Either way the split keeps repeats on one side. One 32-hex digest a
+    # prompt in memory (~100 B: 10 MB for 100k prompts); ids need none (they include the row, and Redis answers
+    # "already known").
+    first_of: dict[str, str] = {}
+    greedy = sampling.temperature == 0
     for item in iter_prompts(dataset_path, max_prompt_chars=max_prompt_chars, split=split):
         if isinstance(item, BadRow):
             report.bad_rows.append(item)
             continue
         if max_samples is not None and report.prompts >= max_samples:
             break
-        # No in-memory set of ids: memory stays flat in the data set's size (ids include the row, so a data set
-        # cannot repeat one; Redis answers "already known" for re-runs).
         report.prompts += 1
+        key, where = prompt_key(item.messages), f"{item.row}:{item.turn}"
+        if key in first_of:
+            report.duplicate_prompts += 1
+            if greedy:
+                report.skipped_duplicates[where] = first_of[key]
+                dup = task_for(item, run, dataset, settings, sampling)
+                if not ledger.known(run, [dup.sample_id])[0]:
+                    ledger.mark_rejected(run, INFERENCE.name, dup.sample_id, DUPLICATE_PROMPT)
+                continue
+        else:
+            first_of[key] = where
         batch.append(task_for(item, run, dataset, settings, sampling))
         if len(batch) >= batch_size:
             flush()
@@ -158,6 +180,9 @@ def enqueue(
                 break
     if batch and not report.stopped_full:
         flush()
+    ledger.record_skipped_duplicates(run, report.skipped_duplicates)
+    ledger.set_meta(run, duplicate_prompts=report.duplicate_prompts,
+                    skipped_duplicates=len(report.skipped_duplicates))
     if report.stopped_full:
         # Not the end of the data set: the run is not complete (it cannot drain) until a later call gets there.
         ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})

@@ -50,6 +50,8 @@ def snapshot(ledger: Ledger, run: str) -> dict:
     meta = ledger.meta(run)
     out: dict = {"run": run, "meta": meta, "stages": {}, "train": ledger.train_progress(run),
                  "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0),
+                 "duplicate_prompts": int(meta.get("duplicate_prompts", 0) or 0),
+                 "skipped_duplicates": int(meta.get("skipped_duplicates", 0) or 0),
                  "dead_letters": ledger.dead_letters(),
                  "connector": connector_backlog(get_settings().hs_connector_dir)}
     for name, c in stages.items():
@@ -124,6 +126,12 @@ def render(snap: dict) -> Group:
     extra = []
     if snap["bad_rows"]:
         extra.append(f"bad data-set rows (not enqueued): {snap['bad_rows']} (see `eagle3q bad-rows`)")
+    if snap.get("duplicate_prompts"):
+        skipped = snap.get("skipped_duplicates", 0)
+        extra.append(f"exact duplicate prompts in the data set: {snap['duplicate_prompts']} ("
+                     + (f"{skipped} not generated: temperature 0 gives the same completion; rejected as "
+                        "duplicate_prompt" if skipped else "all generated: sampled, each is more data")
+                     + "; kept on one side of the held-out split)")
     if snap.get("dead_letters"):
         extra.append("[red]items on the queues that were not messages, set aside: "
                      + ", ".join(f"{q}={n}" for q, n in sorted(snap["dead_letters"].items()))

@@ -27,7 +27,8 @@ def dead_letters(queue: str) -> str:
 
 
 def meta(run: str) -> str:
-    """hash: model, profile, dataset, train_target, enqueue_complete, started, bad_rows"""
+    """hash: model, profile, dataset, train_target, enqueue_complete, started, bad_rows, duplicate_prompts,
+    skipped_duplicates"""
     return _k(run, "meta")
 
 
@@ -39,6 +40,11 @@ def enqueued(run: str) -> str:
 def bad_rows(run: str) -> str:
     """hash data-set row -> why it was not enqueued"""
     return _k(run, "bad_rows")
+
+
+def duplicate_prompts(run: str) -> str:
+    """hash "row:turn" -> the earlier "row:turn" whose prompt it repeats (not enqueued: generated at temperature 0)"""
+    return _k(run, "duplicate_prompts")
 
 
 def done(run: str, stage: str) -> str:

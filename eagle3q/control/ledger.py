@@ -154,6 +154,14 @@ class Ledger:
     def bad_rows(self, run: str) -> dict[int, str]:
         return {int(k): v for k, v in self._r.hgetall(keys.bad_rows(run)).items()}
 
+    def record_skipped_duplicates(self, run: str, prompts: dict[str, str]) -> None:
+        if prompts:
+            self._r.hset(keys.duplicate_prompts(run), mapping=prompts)
+
+    def skipped_duplicates(self, run: str) -> dict[str, str]:
+        """"row:turn" -> the "row:turn" it repeats, for the prompts `enqueue` did not send (temperature 0)."""
+        return dict(self._r.hgetall(keys.duplicate_prompts(run)))
+
     # --- open ids (entered a stage, not terminal yet) ---
     def open_tasks(self, run: str, payloads: dict[str, str]) -> None:
         """The producer records each inference payload before sending it, so a message the broker loses can be sent

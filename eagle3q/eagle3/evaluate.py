@@ -154,15 +154,20 @@ def _target(target_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
 
 
 def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001 - an eagle3q.store.Store
-    """The prompt tokens of up to n of the run's validation samples (rows never trained on), as the server
-    tokenized them."""
+    """The prompt tokens of up to n of the run's validation samples (one a prompt; prompts never trained on), as
+    the server tokenized them."""
     import json
 
     from eagle3q.eagle3.manifest import load
 
     m = load(store, run)
-    out = []
-    for e in m.val[:n]:
+    out, seen = [], set()
+    for e in m.val:  # one sample a prompt: repeats of a prompt would count its completion twice
+        if len(out) >= n:
+            break
+        if e.split_key in seen:
+            continue
+        seen.add(e.split_key)
         sample = store.read_sample(run, e.sample_id)
         out.append(sample.input_ids[: sample.num_prompt_tokens])
     if not out:

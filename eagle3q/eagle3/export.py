@@ -68,8 +68,12 @@ def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tenso
     from safetensors.torch import save
 
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.exported_state().items()}
-    tensors["d2t"] = d2t.to(torch.long).contiguous()
-    tensors["t2d"] = t2d.to(torch.bool).contiguous()
+    # A draft vocabulary as large as the target's is the identity: vLLM's Eagle3 model then has no
+    # draft_id_to_target_id parameter, and a d2t in the file makes its weight loader fail ("no module or parameter
+    # named 'draft_id_to_target_id'", vLLM 0.32), so the file carries the mapping only where there is one.
+    if c.draft_vocab_size != c.vocab_size:
+        tensors["d2t"] = d2t.to(torch.long).contiguous()
+        tensors["t2d"] = t2d.to(torch.bool).contiguous()
     write_atomic(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     cfg = vllm_config(c, aux_ids)
     write_atomic(out / "config.json", json.dumps(cfg, indent=2).encode())
@@ -98,4 +102,7 @@ def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, d
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
         raise ValueError(f"exported draft does not match: missing {missing}, unexpected {unexpected}")
+    if "d2t" not in tensors:  # the full target vocabulary (see export_draft): the identity mapping
+        identity = torch.zeros(dc.vocab_size, dtype=torch.long), torch.ones(dc.vocab_size, dtype=torch.bool)
+        return model.eval(), cfg, *identity
     return model.eval(), cfg, tensors["d2t"], tensors["t2d"]

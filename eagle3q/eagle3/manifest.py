@@ -2,8 +2,11 @@
 
 Hidden states may keep arriving after the trigger (a target below the run's size); a trainer that is killed and
 resumed must continue the same schedule, so the list is written once (`<train dir>/manifest.json`) and every later
-trainer reads it back. The validation split is by data-set row (all turns of a conversation on the same side), from
-a hash of (data set, row): stable across runs and machines, and never trained on.
+trainer reads it back. The validation split is by prompt content (`eagle3q.prompt_keys.split_key`: the opening of the
+conversation, normalized), from its hash: every turn of a conversation, every repeat of a prompt and every row that
+opens alike fall on one side, so no held-out prompt is a training prompt. Stable across runs and machines. (Until
+2026-12 the split hashed (data set, row), and a data set that repeats prompts put copies on both sides; a manifest
+frozen then is read back as it is.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ NAME = "manifest.json"
 class Entry:
     sample_id: str
     tokens: int
-    row_key: str  # "<data set>:<row>"
+    split_key: str  # "prompt:<digest>" (or "<data set>:<row>" for files of samples no longer in the store)
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         def entries(es: tuple[Entry, ...]) -> list[list]:
-            return [[e.sample_id, e.tokens, e.row_key] for e in es]
+            return [[e.sample_id, e.tokens, e.split_key] for e in es]
 
         return json.dumps({"run": self.run, "val_fraction": self.val_fraction, "train": entries(self.train),
                            "val": entries(self.val)}).encode()
@@ -46,23 +49,34 @@ class Manifest:
                    float(m["val_fraction"]))
 
 
-def is_validation(row_key: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(row_key.encode()).digest()[:8], "big") / 2**64
+def is_validation(split_key: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(split_key.encode()).digest()[:8], "big") / 2**64
     return h < fraction
 
 
-def _entry(store: Store, run: str, path: Path) -> Entry:
+def entry_for(store: Store, run: str, path: Path) -> Entry:
     from safetensors import safe_open
+
+    from eagle3q.prompt_keys import split_key
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         tokens = int(f.get_slice("input_ids").get_shape()[0])
-    if "row" in meta and "dataset" in meta:
-        key = f"{json.loads(meta['dataset'])}:{json.loads(meta['row'])}"
-    else:  # files written before the row was recorded: the sample says
-        sample = store.read_sample(run, path.stem)
-        key = f"{sample.dataset}:{sample.row}"
-    return Entry(path.stem, tokens, key)
+    if "split_key" in meta:
+        return Entry(path.stem, tokens, json.loads(meta["split_key"]))
+    if store.has_sample(run, path.stem):  # files written before the key was recorded: the sample's messages
+        return Entry(path.stem, tokens, split_key(store.read_sample(run, path.stem).messages))
+    dataset, row = json.loads(meta.get("dataset", '"?"')), json.loads(meta.get("row", "-1"))
+    return Entry(path.stem, tokens, f"{dataset}:{row}")
+
+
+def split_report(m: Manifest) -> dict[str, int | str]:
+    """For result.json and `eval-draft`: how many distinct prompts each side holds, and how many samples repeat a
+    prompt (exact duplicates of the data set, or turns of one conversation), every one on a single side."""
+    train, val = {e.split_key for e in m.train}, {e.split_key for e in m.val}
+    return {"by": "prompt", "train_samples": len(m.train), "train_prompts": len(train), "val_samples": len(m.val),
+            "val_prompts": len(val), "repeated_samples": len(m.train) + len(m.val) - len(train) - len(val),
+            "prompts_on_both_sides": len(train & val)}
 
 
 def load(store: Store, run: str) -> Manifest:
@@ -78,9 +92,9 @@ def load_or_create(store: Store, run: str, val_fraction: float) -> Manifest:
     path = store.train_dir(run) / NAME
     if path.is_file():
         return Manifest.from_json(path.read_bytes())
-    entries = [_entry(store, run, p) for p in store.hidden_files(run)]
-    val = tuple(e for e in entries if is_validation(e.row_key, val_fraction))
-    train = tuple(e for e in entries if not is_validation(e.row_key, val_fraction))
+    entries = [entry_for(store, run, p) for p in store.hidden_files(run)]
+    val = tuple(e for e in entries if is_validation(e.split_key, val_fraction))
+    train = tuple(e for e in entries if not is_validation(e.split_key, val_fraction))
     if not train and val:  # a handful of rows that all hashed to validation: train on them rather than nothing
         train, val = val, ()
     m = Manifest(run, train, val, val_fraction)

@@ -8,9 +8,17 @@
   `hidden_states` e4m3 with `hidden_states_scales` float32 [T, n_aux + 1, 1] (one scale per token and layer, which
   its reader broadcasts like its own [T, 1, 1]); its trainer reads it with `--hidden-states-backend fp8`
   (`FP8Transfer`), and the plain file backend would hand it unscaled e4m3: the export says so.
-- SpecForge (0.2): `OUT/data_{i}.ckpt` (`torch.save`) with `input_ids` [T], `loss_mask` [T] (int64),
-  `hidden_state` [1, T, H] after the target's final norm (its target head applies none) and `aux_hidden_state`
-  [1, T, 3H] bf16, as its `prepare_hidden_states.py` writes them; `process_offline_eagle3_sample` reads them.
+- SpecForge (0.2): `OUT/train/data_{i}.ckpt` and `OUT/eval/data_{i}.ckpt` (`torch.save`) with `input_ids` [T],
+  `loss_mask` [T] (int64), `hidden_state` [1, T, H] after the target's final norm (its target head applies none)
+  and `aux_hidden_state` [1, T, 3H] bf16, as its `prepare_hidden_states.py` writes them;
+  `process_offline_eagle3_sample` reads them.
+
+The held-out split goes with it, in each peer's convention: speculators splits by row order (`--train-data-ratio`),
+so the training samples come first and the export prints the ratio that puts the boundary at the first held-out
+row; SpecForge reads separate directories, `OUT/train` and `OUT/eval`. The split is the trainer's frozen one where
+the run was trained, else the same rule by prompt content (`eagle3q.eagle3.manifest`): no held-out prompt is in a
+peer's training part. The vocabulary too, from the training side: speculators' `token_freq.pt`, `d2t-N.npy` and
+`t2d-N.npy` in OUT (where its trainer looks for `--draft-vocab-size N`), SpecForge's `vocab_mapping.pt`.
 
 `loss_mask` is 1 on the generated tokens in both, the array each peer's own preprocessing writes for the same
 conversation (each trainer aligns it with its shifted inputs in its own way).
@@ -52,15 +60,66 @@ class ExportReport:
     written: int
     skipped: int
     hs_dtype: str = "bf16"  # of the files written (speculators: the store's; SpecForge: always bf16)
+    train_count: int | None = None  # the first block of the order (None: an export from before the split)
+    val_count: int = 0
+    vocab_size: int | None = None  # the draft vocabulary of the vocab files written (None: none written)
+
+    @property
+    def train_data_ratio(self) -> float | None:
+        """speculators' `--train-data-ratio`: its `int(rows x ratio)` is the held-out boundary, so the ratio is
+        taken half a row past it (exact whatever the float rounding)."""
+        if self.train_count is None or not 0 < self.train_count < self.total:
+            return None
+        return round((self.train_count + 0.5) / self.total, 9)
 
     def reader_hint(self) -> str:
-        if self.fmt == "speculators" and self.hs_dtype == "fp8":
-            return "fp8 hidden states: train with speculators' `--hidden-states-backend fp8` (its FP8Transfer)"
-        return ""
+        hints = []
+        if self.fmt == "speculators":
+            if self.hs_dtype == "fp8":
+                hints.append("fp8 hidden states: train with speculators' `--hidden-states-backend fp8` (its "
+                             "FP8Transfer)")
+            if self.train_data_ratio is not None:
+                hints.append(f"held-out split: rows {self.train_count}.. of {self.total}; train with "
+                             f"`--train-data-ratio {self.train_data_ratio}` (speculators splits by row order)")
+            if self.vocab_size:
+                hints.append(f"vocab: d2t-{self.vocab_size}.npy / t2d-{self.vocab_size}.npy and token_freq.pt, "
+                             f"read with `--draft-vocab-size {self.vocab_size}`")
+        elif self.train_count is not None:
+            hints.append(f"SpecForge: data.hidden_states_path={self.out_dir / 'train'}"
+                         + (f", data.eval_hidden_states_path={self.out_dir / 'eval'}" if self.val_count else "")
+                         + (f", model.vocab_mapping_path={self.out_dir / 'vocab_mapping.pt'}" if self.vocab_size
+                            else ""))
+        return "\n".join(hints)
 
 
-def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str]) -> list[str]:
-    """The frozen order: what an earlier call exported first, then the ids that are new."""
+@dataclass
+class _Order:
+    ids: list[str]
+    train_count: int | None  # None: an export written before the split (its files stay where they are)
+    val: set[str]
+
+
+def _held_out(store: Store, run: str, ids: list[str], val_fraction: float) -> set[str]:
+    """The trainer's frozen split where the run was trained (its manifest), and the same rule, by prompt content
+    (eagle3q.eagle3.manifest), for samples it did not see."""
+    from eagle3q.eagle3.manifest import NAME, Manifest, entry_for, is_validation
+
+    frozen_val: set[str] = set()
+    frozen: set[str] = set()
+    path = store.train_dir(run) / NAME
+    if path.is_file():
+        m = Manifest.from_json(path.read_bytes())
+        val_fraction = m.val_fraction
+        frozen_val = {e.sample_id for e in m.val}
+        frozen = frozen_val | {e.sample_id for e in m.train}
+    return frozen_val | {sid for sid in ids if sid not in frozen and is_validation(
+        entry_for(store, run, store.hidden_path(run, sid)).split_key, val_fraction)}
+
+
+def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str], val: set[str]) -> _Order:
+    """The frozen order: the first call's training samples, then its held-out ones; later calls append the samples
+    that are new (either side: a training sample past the boundary is only evaluated on, never a held-out one
+    trained on)."""
     path = out_dir / MANIFEST
     if path.is_file():
         m = json.loads(path.read_text())
@@ -70,13 +129,18 @@ def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str]) -> list[str]:
         order: list[str] = m["ids"]
         known = set(order)
         order += [i for i in ids if i not in known]
+        train_count = m.get("train_count")
+        val = set(m.get("val", [])) | {i for i in val if i not in known}
     else:
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ExportError(f"{out_dir} is not empty and holds no eagle3q export")
-        order = list(ids)
+        train = [i for i in ids if i not in val]
+        order = train + [i for i in ids if i in val]
+        train_count = len(train)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"run": run, "format": fmt, "ids": order}).encode())
-    return order
+    write_atomic(path, json.dumps({"run": run, "format": fmt, "ids": order, "train_count": train_count,
+                                   "val": sorted(val & set(order))}).encode())
+    return _Order(order, train_count, val)
 
 
 class _Norm:
@@ -126,8 +190,53 @@ def _specforge_file(t: dict[str, torch.Tensor], final_state: str, norm: _Norm | 
     return buf.getvalue()
 
 
-def _dest(out_dir: Path, fmt: str, i: int) -> Path:
-    return out_dir / "hidden_states" / f"hs_{i}.safetensors" if fmt == "speculators" else out_dir / f"data_{i}.ckpt"
+def _dest(out_dir: Path, fmt: str, i: int, held_out: bool | None) -> Path:
+    """speculators: one directory, the split by position. SpecForge: `train/` and `eval/` (its
+    data.hidden_states_path and data.eval_hidden_states_path); `held_out=None`: an export from before the split."""
+    if fmt == "speculators":
+        return out_dir / "hidden_states" / f"hs_{i}.safetensors"
+    sub = out_dir if held_out is None else out_dir / ("eval" if held_out else "train")
+    return sub / f"data_{i}.ckpt"
+
+
+def _write_vocab(store: Store, run: str, out_dir: Path, fmt: str, train_files: list[Path], target_dir: str,
+                 draft_vocab_size: int) -> int | None:
+    """The draft vocabulary in the peer's own files: the trainer's (frozen with its manifest) where the run was
+    trained, else counted from the training side now, with the same rule (ours equals both peers' bit for bit,
+    tests/peers). speculators: `token_freq.pt` (id -> count where the loss applies) and `d2t-N.npy` / `t2d-N.npy`
+    in the data directory, where its trainer looks first; SpecForge: `vocab_mapping.pt` ({"d2t", "t2d"}, its
+    model.vocab_mapping_path). None where neither the trainer's vocab nor the target's vocab size is known."""
+    from safetensors.torch import load_file
+
+    from eagle3q.eagle3.vocab import build_mapping, count_tokens
+
+    trained = store.train_dir(run) / "vocab.safetensors"
+    if trained.is_file():
+        t = load_file(str(trained))
+        counts, d2t, t2d = t["counts"], t["d2t"], t["t2d"].bool()
+    elif target_dir:
+        counts = count_tokens(train_files, int(target_config(target_dir)["vocab_size"]))
+        d2t, t2d = build_mapping(counts, draft_vocab_size)
+    else:
+        return None
+    import io
+
+    n = int(d2t.numel())
+    if fmt == "speculators":
+        import numpy as np
+
+        buf = io.BytesIO()
+        torch.save({int(i): int(counts[i]) for i in torch.nonzero(counts).flatten()}, buf)
+        write_atomic(out_dir / "token_freq.pt", buf.getvalue())
+        for name, arr in ((f"d2t-{n}.npy", d2t.long()), (f"t2d-{n}.npy", t2d.bool())):
+            buf = io.BytesIO()
+            np.save(buf, arr.numpy())
+            write_atomic(out_dir / name, buf.getvalue())
+    else:
+        buf = io.BytesIO()
+        torch.save({"d2t": d2t.long(), "t2d": t2d.bool()}, buf)
+        write_atomic(out_dir / "vocab_mapping.pt", buf.getvalue())
+    return n
 
 
 def _write_arrow(out_dir: Path, files: list[Path]) -> None:
@@ -159,13 +268,15 @@ def _write_arrow(out_dir: Path, files: list[Path]) -> None:
 
 
 def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str = "",
-                progress: bool = True) -> ExportReport:
+                progress: bool = True, val_fraction: float = 0.02, draft_vocab_size: int = 32000) -> ExportReport:
+    """`val_fraction`: the held-out share for a run not trained yet (a trained run's split is its trainer's)."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
     by_id = {p.stem: p for p in store.hidden_files(run)}
     if not by_id:
         raise ExportError(f"run {run!r} has no hidden-state files under {store.run_dir(run)}")
-    order = _manifest(out_dir, run, fmt, sorted(by_id))
+    frozen = _manifest(out_dir, run, fmt, sorted(by_id), _held_out(store, run, sorted(by_id), val_fraction))
+    order = frozen.ids
     missing = [i for i in order if i not in by_id]
     if missing:
         raise ExportError(f"{len(missing)} samples of the earlier export are gone from the store (e.g. {missing[0]})")
@@ -182,7 +293,7 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
 
     bar = tqdm(total=len(order), desc=f"export {run} as {fmt}", unit="sample", disable=not progress)
     for i, sid in enumerate(order):
-        dest = _dest(out_dir, fmt, i)
+        dest = _dest(out_dir, fmt, i, None if frozen.train_count is None else sid in frozen.val)
         if dest.is_file():  # written atomically: present means complete
             skipped += 1
         else:
@@ -201,4 +312,7 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
     bar.close()
     if fmt == "speculators":
         _write_arrow(out_dir, [by_id[i] for i in order])
-    return ExportReport(out_dir, fmt, len(order), written, skipped, hs_dtype)
+    train_files = [by_id[i] for i in order if i not in frozen.val]
+    vocab = _write_vocab(store, run, out_dir, fmt, train_files, target_dir, draft_vocab_size)
+    return ExportReport(out_dir, fmt, len(order), written, skipped, hs_dtype, frozen.train_count,
+                        len(frozen.val & set(order)), vocab)

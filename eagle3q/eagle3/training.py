@@ -57,6 +57,7 @@ class TrainResult:
     epochs: list[dict] = field(default_factory=list)  # per epoch: train and validation loss / acc / prefix_acc
     samples: int = 0
     val_samples: int = 0
+    split: dict = field(default_factory=dict)  # eagle3q.eagle3.manifest.split_report: prompts per side, repeats
 
     def summary(self) -> str:
         last = self.epochs[-1] if self.epochs else {}

@@ -21,6 +21,7 @@ from eagle3q.eagle3.extract import (
     write_hidden,
 )
 from eagle3q.metrics import METRICS
+from eagle3q.prompt_keys import split_key
 from eagle3q.store import Rejection, Sample, Store
 
 log = logging.getLogger("eagle3q.stages.hidden_states")
@@ -55,7 +56,8 @@ def _meta(ctx: HiddenContext, sample: Sample, agreement: Agreement | None) -> di
     ex = ctx.extractor
     meta = {"sample_id": sample.sample_id, "dataset": sample.dataset, "row": sample.row,
             "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers, "hidden_size": ex.hidden_size,
-            "final_state": ex.final_state, "backend": ex.backend}
+            "final_state": ex.final_state, "backend": ex.backend,
+            "split_key": split_key(sample.messages)}  # the held-out split's key (eagle3q.eagle3.manifest)
     if agreement is not None:
         meta["consistency"] = agreement.as_meta()
     return meta

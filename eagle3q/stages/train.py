@@ -12,7 +12,7 @@ import json
 from eagle3q.config import Settings
 from eagle3q.control.ledger import Ledger
 from eagle3q.control.locks import RunLock, TrainingBusy
-from eagle3q.eagle3.manifest import load_or_create
+from eagle3q.eagle3.manifest import load_or_create, split_report
 from eagle3q.eagle3.training import TrainResult, train_draft
 from eagle3q.store import Store
 
@@ -48,6 +48,7 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
             result = TrainResult(**launch(run, out, s.train_processes, env))
         else:
             result = train_draft(manifest, paths, s, out, target_dir or s.target_model, progress, log_every)
+        result.split = split_report(manifest)
         store.write_json(done_file, {k: v for k, v in result.__dict__.items() if k != "skipped"})
         progress(state="done", step=result.steps, total_steps=result.steps, loss=result.final_loss)
         return result

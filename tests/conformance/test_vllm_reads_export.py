@@ -8,6 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from eagle3q.dev.local import free_port
 from eagle3q.dev.tiny import build_served_model
 from tests.conformance.vllm_server import VLLM_PYTHON
@@ -16,9 +18,13 @@ from tests.drafts import random_export
 READER = Path(__file__).with_name("read_export.py")
 
 
-def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("draft_vocab", [256, 1024])
+def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path, draft_vocab: int) -> None:
+    """1024: the whole target vocabulary, where vLLM's model has no draft_id_to_target_id and a d2t in the file
+    fails its loader."""
     aux = [2, 4, 5]  # vLLM's convention, for the 8-layer tiny target
-    tc, *_ = random_export(tiny, tmp_path / "export", aux)
+    tc, *_ = random_export(tiny, tmp_path / "export", aux, draft_vocab)
+    assert tc["vocab_size"] == 1024
     target = build_served_model(tiny, tmp_path / "target", "kimi_k2")
 
     r = subprocess.run([str(VLLM_PYTHON), str(READER), str(target), str(tmp_path / "export"), str(free_port())],
@@ -28,12 +34,13 @@ def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path) -> None:
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["method"] == "eagle3"
     assert report["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert report["draft_vocab_size"] == 256 and report["target_hidden_size"] == tc["hidden_size"]
+    assert report["draft_vocab_size"] == draft_vocab and report["target_hidden_size"] == tc["hidden_size"]
     # The ids vLLM's worker captures: our top-level key, in layer order (not the target's default ids).
     assert report["aux_layer_ids"] == aux
     params = report["params"]
     # Every parameter vLLM has holds our tensor, fused as vLLM fuses them; the embeddings come from the target.
     assert params.pop("model.embed_tokens.weight") is None
     assert params and all(params.values()), params
-    assert {"draft_id_to_target_id", "model.fc.weight", "lm_head.weight", "model.norm.weight",
+    assert {"model.fc.weight", "lm_head.weight", "model.norm.weight",
             "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.hidden_norm.weight"} <= set(params)
+    assert ("draft_id_to_target_id" in params) == (draft_vocab < tc["vocab_size"])

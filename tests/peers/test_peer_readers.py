@@ -78,7 +78,8 @@ def test_speculators_reads_our_fp8_export_with_its_fp8_backend(hidden_run, hidde
     out, ref = tmp_path / "speculators-fp8", tmp_path / "speculators-bf16"
     rep = export_data(hidden_run_fp8, "r", "speculators", out, str(tiny), progress=False)
     assert rep.hs_dtype == "fp8" and "--hidden-states-backend fp8" in rep.reader_hint()
-    assert export_data(hidden_run, "r", "speculators", ref, str(tiny), progress=False).reader_hint() == ""
+    assert "--hidden-states-backend" not in export_data(hidden_run, "r", "speculators", ref, str(tiny),
+                                                         progress=False).reader_hint()
     transfer = FP8Backend.from_train_args(argparse.Namespace(hidden_states_path=None), str(out))
     ds = ArrowDataset(max_len=4096, datapath=out, transfer=transfer, on_missing="raise")
     plain = ArrowDataset(max_len=4096, datapath=ref, on_missing="raise")
@@ -101,7 +102,7 @@ def test_speculators_reads_our_fp8_export_with_its_fp8_backend(hidden_run, hidde
         assert (logits.argmax(-1) == exact.argmax(-1)).float().mean() > 0.8
     sf = tmp_path / "specforge-fp8"
     assert export_data(hidden_run_fp8, "r", "specforge", sf, str(tiny), progress=False).hs_dtype == "bf16"
-    assert torch.load(sf / "data_0.ckpt")["aux_hidden_state"].dtype == torch.bfloat16
+    assert torch.load(next(sf.glob("*/data_0.ckpt")))["aux_hidden_state"].dtype == torch.bfloat16
 
 
 def test_specforge_reads_our_export_with_its_own_reader(hidden_run, tmp_path, tiny):  # noqa: ANN001
@@ -243,3 +244,59 @@ def test_the_vllm_backend_reads_hs_connectors_fp8_connector_files(tiny, tmp_path
         assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max() < 0.1
     assert connector_states(data, ids[:-1], ex.aux_ids, ex.num_layers, h).reason == "hs_prompt_mismatch"
     assert connector_states(data, ids, ex.aux_ids, ex.num_layers, h + 1).reason == "hs_length_mismatch"
+
+
+def test_the_peers_read_the_held_out_split_and_the_vocabulary(hidden_run, tmp_path, tiny):  # noqa: ANN001
+    """export-data carries the split in each peer's convention and the vocabulary in its file names: speculators'
+    ArrowDataset with the printed `--train-data-ratio` holds exactly our training samples in its train part and
+    our held-out ones in its val part; its vocab loader reads our d2t/t2d and, from our token_freq.pt alone, builds
+    the same; SpecForge's reader finds the training samples under train/ and the held-out ones under eval/, and
+    its vocab file holds the same mapping."""
+    import argparse
+
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+    from speculators.train.cli import parse_vocab_mappings
+    from speculators.train.data import ArrowDataset
+
+    from eagle3q.eagle3.extract import load_hidden
+    from eagle3q.eagle3.manifest import entry_for, is_validation
+    from eagle3q.eagle3.vocab import build_mapping, count_tokens
+
+    files = hidden_run.hidden_files("r")
+    tokens = {p.stem: tuple(load_hidden(p)["input_ids"].tolist()) for p in files}
+    held = {p.stem for p in files if is_validation(entry_for(hidden_run, "r", p).split_key, 0.5)}
+    assert 0 < len(held) < len(files)
+    want_held = {tokens[s] for s in held}
+    counts = count_tokens([p for p in files if p.stem not in held], int(target_config(tiny)["vocab_size"]))
+    d2t, t2d = build_mapping(counts, 64)
+
+    out = tmp_path / "speculators"
+    rep = export_data(hidden_run, "r", "speculators", out, str(tiny), progress=False, val_fraction=0.5,
+                      draft_vocab_size=64)
+    assert f"--train-data-ratio {rep.train_data_ratio}" in rep.reader_hint() and rep.vocab_size == 64
+    parts = {split: ArrowDataset(max_len=4096, datapath=out, on_missing="raise", train_ratio=rep.train_data_ratio,
+                                 split=split) for split in ("train", "val")}
+    seen = {split: {tuple(ds.data[i]["input_ids"].tolist()) for i in range(len(ds))} for split, ds in parts.items()}
+    assert seen["val"] == want_held and seen["train"] == set(tokens.values()) - want_held
+    args = argparse.Namespace(d2t_path=None, t2d_path=None, data_path=str(out), draft_vocab_size=64,
+                              token_freq_path=None, verifier_name_or_path=str(tiny), trust_remote_code=False)
+    s_d2t, s_t2d, n = parse_vocab_mappings(args)  # its trainer's own lookup: d2t-64.npy / t2d-64.npy in the data dir
+    assert n == 64 and torch.equal(s_d2t.long(), d2t) and torch.equal(s_t2d.bool(), t2d)
+    for name in ("d2t-64.npy", "t2d-64.npy"):
+        (out / name).unlink()
+    r_d2t, r_t2d, _ = parse_vocab_mappings(args)  # rebuilt from token_freq.pt (the training side's counts)
+    assert torch.equal(r_d2t.long(), d2t) and torch.equal(r_t2d.bool(), t2d)
+
+    sf = tmp_path / "specforge"
+    rep = export_data(hidden_run, "r", "specforge", sf, str(tiny), progress=False, val_fraction=0.5,
+                      draft_vocab_size=64)
+    assert "data.eval_hidden_states_path=" in rep.reader_hint()
+    by_dir = {}
+    for sub in ("train", "eval"):
+        refs = OfflineManifestReader(str(sf / sub), validate_files=True).read()
+        by_dir[sub] = {tuple(load_feature_file(r.feature_store_uri.removeprefix("file://"))["input_ids"].tolist())
+                       for r in refs}
+    assert by_dir["eval"] == want_held and by_dir["train"] == set(tokens.values()) - want_held
+    mapping = torch.load(sf / "vocab_mapping.pt", weights_only=True)
+    assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)

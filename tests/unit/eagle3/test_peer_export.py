@@ -4,6 +4,7 @@ here (file names, keys, shapes, dtypes, the norm); the peers' own readers run in
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,11 @@ def test_speculators_layout(run_store, tmp_path, tiny):  # noqa: ANN001
         assert torch.equal(ds[i]["loss_mask"], ours["loss_mask"].long())
 
 
+def _specforge_file(out: Path, i: int) -> Path:
+    """Sample i of a SpecForge export, in train/ or eval/ by its side of the split."""
+    return next(out.glob(f"*/data_{i}.ckpt"))
+
+
 def test_specforge_layout_is_post_norm(run_store, tmp_path, tiny):  # noqa: ANN001
     out = tmp_path / "sf"
     export_data(run_store, "r", "specforge", out, str(tiny), progress=False)
@@ -49,7 +55,7 @@ def test_specforge_layout_is_post_norm(run_store, tmp_path, tiny):  # noqa: ANN0
     eps = target_config(tiny)["rms_norm_eps"]
     for i, sid in enumerate(order):
         ours = load_hidden(run_store.hidden_path("r", sid))
-        raw = torch.load(out / f"data_{i}.ckpt", weights_only=True)
+        raw = torch.load(_specforge_file(out, i), weights_only=True)
         assert set(raw) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
         t, h = ours["input_ids"].numel(), ours["hidden_state"].shape[-1]
         assert raw["hidden_state"].shape == (1, t, h) and raw["aux_hidden_state"].shape == (1, t, 3 * h)
@@ -62,8 +68,8 @@ def test_resume_keeps_the_order_and_appends_new_samples(run_store, tmp_path, tin
     out = tmp_path / "resume"
     export_data(run_store, "r", "specforge", out, str(tiny), progress=False)
     first = json.loads((out / "eagle3q-export.json").read_text())["ids"]
-    (out / "data_2.ckpt").unlink()  # as if killed before writing it
-    stamp = (out / "data_0.ckpt").stat().st_mtime_ns
+    _specforge_file(out, 2).unlink()  # as if killed before writing it
+    stamp = _specforge_file(out, 0).stat().st_mtime_ns
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     ids = list(range(50, 70))
     new = "0" * 31 + "a"  # sorts before the others: it must still go to the end
@@ -72,7 +78,7 @@ def test_resume_keeps_the_order_and_appends_new_samples(run_store, tmp_path, tin
     rep = export_data(run_store, "r", "specforge", out, str(tiny), progress=False)
     order = json.loads((out / "eagle3q-export.json").read_text())["ids"]
     assert order[:5] == first and order[5:] == [new]  # frozen order, the new sample at the end
-    assert (rep.written, rep.skipped) == (2, 4) and (out / "data_0.ckpt").stat().st_mtime_ns == stamp
+    assert (rep.written, rep.skipped) == (2, 4) and _specforge_file(out, 0).stat().st_mtime_ns == stamp
     run_store.hidden_path("r", new).unlink()
 
 
