@@ -241,20 +241,42 @@ def eval_draft(
                                             "(they may have been trained on)"),
     prompts: int = typer.Option(32),
     max_new: int = typer.Option(64),
+    ood: bool = typer.Option(True, help="also the out-of-domain prompts shipped with eagle3q (64: chat, code, math, "
+                                        "writing, multi-turn), by category"),
+    ood_per_category: int = typer.Option(0, help="at most this many out-of-domain prompts a category (0: all)"),
     untrained: bool = typer.Option(False, help="also measure an untrained draft"),
     server: str = typer.Option(None, help="also measure on this running vLLM (.../v1) that serves the export with "
                                           "--speculative-config eagle3: its own acceptance counters, beside ours"),
     server_model: str = typer.Option(None, help="the model name that server serves (default EAGLE3Q_MODEL)"),
+    out: Path = typer.Option(None, help="where the figures go: eval.json and acceptance_by_position.png "
+                                        "(default: <store>/<run>/train/eval)"),
 ) -> None:
-    """Greedy speculative decoding against the target on held-out prompts: mean acceptance length for k = 1..5 of
-    the draft, a bigram table (the baseline to beat), an untrained draft, and the ceiling k+1. With --server, the
-    same prompts through vLLM's engine speculating with the export, and the acceptance it reports."""
+    """Greedy speculative decoding against the target: mean acceptance length for k = 1..5 of the draft, a bigram
+    table (the baseline to beat) and the ceiling k+1, on the run's held-out prompts and on out-of-domain prompts by
+    category; the acceptance by draft position as a PNG. With --server, the same prompts through vLLM's engine
+    speculating with the export, and the acceptance it reports."""
+    import json
+
     from eagle3q.config import get_settings
-    from eagle3q.eagle3.evaluate import acceptance_table, dataset_prompts, format_table, heldout_prompts
-    from eagle3q.store import Store
+    from eagle3q.eagle3.evaluate import (
+        HELD_OUT,
+        OOD,
+        acceptance_by_set,
+        dataset_prompts,
+        evaluate,
+        format_sets,
+        format_table,
+        held_out_table,
+        heldout_prompts,
+        ood_prompt_sets,
+        plot_positions,
+        with_ood,
+    )
+    from eagle3q.store import Store, write_atomic
 
     s = get_settings()
     store = Store(s.store_dir)
+    export_dir = str(export or store.train_dir(run) / "export")
     if dataset is not None:
         ids = dataset_prompts(dataset, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)
     else:
@@ -263,29 +285,53 @@ def eval_draft(
         except (FileNotFoundError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
-    table = acceptance_table(s.target_model, str(export or store.train_dir(run) / "export"), ids, store, run,
-                             max_new=max_new, draft_vocab_size=s.draft_vocab_size, untrained=untrained)
+    ks = (1, 2, 3, 4, 5)
+    ood_sets = ood_prompt_sets(s.tokenizer or s.target_model, s.profile, s.thinking) if ood else None
+    if ood_sets and ood_per_category > 0:
+        ood_sets = {c: ps[:ood_per_category] for c, ps in ood_sets.items()}
+    sets, groups, order = with_ood(ids, ood_sets)
+    results = acceptance_by_set(s.target_model, export_dir, sets, groups, store, run, ks, max_new)
+    table = held_out_table(results, ks)
+    if untrained:
+        table["untrained"] = evaluate(s.target_model, None, ids, ks, max_new, draft_vocab_size=s.draft_vocab_size)
     typer.echo(f"{len(ids)} prompts x {max_new} tokens" + ("" if dataset else " (held out: never trained on)"))
     typer.echo(format_table(table))
+    served_means: dict[str, float] = {}
+    served_pos: dict[str, list[float]] = {}
+    served_k = None
     if server:
-        from eagle3q.eagle3.served_eval import served_acceptance
+        from eagle3q.eagle3.served_eval import ServedAcceptance, served_acceptance
 
         key = s.vllm_api_key.get_secret_value() if s.vllm_api_key else None
+        got = {}
         try:
-            served = served_acceptance(server, server_model or s.model, ids, max_new, api_key=key)
+            for name in sets:  # one set at a time: the server's counters are global
+                got[name] = served_acceptance(server, server_model or s.model, sets[name], max_new, api_key=key)
         except (RuntimeError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
-        k = len(served.per_position)
-        offline = table["trained"].get(k)
+        for name, members in groups.items():
+            got[name] = ServedAcceptance.pooled([got[m] for m in members])
+        served_means = {name: g.mean_length for name, g in got.items()}
+        served_pos = {name: got[name].per_position for name in (HELD_OUT, OOD) if name in got}
+        served_k, drafts = len(got[HELD_OUT].per_position), got[HELD_OUT].drafts
+        offline = table["trained"].get(served_k)
         if offline is None:  # the server speculates more than 5 tokens a round: our loop at its k too
-            from eagle3q.eagle3.evaluate import evaluate
-
-            offline = evaluate(s.target_model, str(export or store.train_dir(run) / "export"), ids, (k,), max_new)[k]
-        typer.echo(f"vLLM at {server} (k={k}, {served.drafts} drafts): mean acceptance length {served.mean_length:.3f}"
-                   f"; offline, same prompts: {offline:.3f}")
+            offline = evaluate(s.target_model, export_dir, ids, (served_k,), max_new)[served_k]
+        typer.echo(f"vLLM at {server} (k={served_k}, {drafts} drafts): mean acceptance length "
+                   f"{served_means[HELD_OUT]:.3f}; offline, same prompts: {offline:.3f}")
         typer.echo("  acceptance rate by draft position: "
-                   + "  ".join(f"{i + 1}:{r:.3f}" for i, r in enumerate(served.per_position)))
+                   + "  ".join(f"{i + 1}:{r:.3f}" for i, r in enumerate(served_pos[HELD_OUT])))
+    if len(order) > 1:
+        typer.echo("\nby prompt set (mean acceptance length; margin: trained - bigram):")
+        typer.echo(format_sets(results, order, served_means or None, served_k))
+    where = out or store.train_dir(run) / "eval"
+    where.mkdir(parents=True, exist_ok=True)
+    report = {"max_new": max_new, "held_out_table": table, "sets": {n: results[n].__dict__ for n in order},
+              "served": {"k": served_k, "mean": served_means, "per_position": served_pos} if server else None}
+    write_atomic(where / "eval.json", json.dumps(report, indent=1).encode())
+    png = plot_positions(results, where / "acceptance_by_position.png", served_pos)
+    typer.echo(f"figures: {where / 'eval.json'}" + (f", {png}" if png else " (no plot: matplotlib not installed)"))
 
 
 @app.command("export-data")

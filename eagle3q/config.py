@@ -128,7 +128,8 @@ class Settings(BaseSettings):
     train_batch_tokens: int = 16384
     # Data-parallel training processes on this machine (its GPUs; gloo CPU processes without): > 1 starts torchrun.
     train_processes: int = 1
-    # Data-set rows held out of training (by a hash of data set and row), evaluated every epoch and by eval-draft.
+    # Share of prompts held out of training (by a hash of the conversation's opening: eagle3q.prompt_keys), evaluated
+    # every epoch and by eval-draft.
     val_fraction: float = 0.02
     grad_clip: float = 0.5
     max_len: int = 4096

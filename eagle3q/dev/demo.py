@@ -126,18 +126,34 @@ def _run_pipeline(console: Console, stack: LocalStack, run: str, workdir: Path, 
 
 
 def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: str, workdir: Path) -> None:
-    from eagle3q.eagle3.evaluate import acceptance_table, format_table, heldout_prompts
+    from eagle3q.eagle3.evaluate import (
+        HELD_OUT,
+        OOD,
+        acceptance_by_set,
+        format_sets,
+        format_table,
+        held_out_table,
+        heldout_prompts,
+        ood_prompt_sets,
+        plot_positions,
+        with_ood,
+    )
 
     t0 = time.monotonic()
     prompts = heldout_prompts(stack.store, run, 32)
     export = stack.settings.store_dir / run / "train" / "export"
-    table = acceptance_table(str(tiny), str(export), prompts, stack.store, run, max_new=64)
+    sets, groups, order = with_ood(prompts, ood_prompt_sets(str(tiny), "kimi_k2", True))
+    ks = (1, 2, 3, 4, 5)
+    results = acceptance_by_set(str(tiny), str(export), sets, groups, stack.store, run, ks, max_new=64)
+    table = held_out_table(results, ks)
+    served: dict[str, float] = {}
     if engine == "vllm":
         from eagle3q.dev.vllm_engine import eagle3_args, start_engine
         from eagle3q.eagle3.served_eval import served_acceptance
 
         console.print(f"measuring the export in vLLM's engine at k = {', '.join(map(str, SERVED_KS))} ...")
         table["vllm"] = {}
+        ood = [p for m in groups[OOD] for p in sets[m]]
         for k in table["trained"]:
             if k not in SERVED_KS:
                 table["vllm"][k] = float("nan")
@@ -146,6 +162,9 @@ def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: s
                              max_model_len=4096)
             try:
                 table["vllm"][k] = round(served_acceptance(e.url, e.model, prompts, 64).mean_length, 3)
+                if k == max(SERVED_KS):
+                    served = {HELD_OUT: table["vllm"][k],
+                              OOD: round(served_acceptance(e.url, e.model, ood, 64).mean_length, 3)}
             finally:
                 e.stop()
     console.print(f"mean acceptance length, greedy speculative decoding against the tiny target, on "
@@ -153,4 +172,11 @@ def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: s
                   + ("; column vllm: vLLM's engine speculating with the export, its own counters" if engine == "vllm"
                      else "") + "):")
     console.print(format_table(table))
+    console.print("by prompt set (held out: the run's own, never trained on; out-of-domain: 64 prompts shipped with "
+                  "eagle3q, worded unlike the data set):")
+    console.print(format_sets(results, order, served or None, max(SERVED_KS) if served else None), markup=False)
+    train_dir = stack.settings.store_dir / run / "train"
+    png = plot_positions(results, train_dir / "eval" / "acceptance_by_position.png")
     console.print(f"draft checkpoint for vLLM: {export}  (evaluation {time.monotonic() - t0:.0f}s)")
+    console.print(f"pictures: {train_dir / 'curves.png'} (training), {png} (acceptance by draft position); "
+                  f"TensorBoard: {train_dir / 'tensorboard'}")

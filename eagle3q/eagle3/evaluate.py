@@ -21,6 +21,18 @@ import torch
 from eagle3q.eagle3.model import Eagle3Draft
 
 
+@dataclass(frozen=True)
+class GreedyPath:
+    """The target's greedy continuation of one prompt, computed once: under greedy verification every accepted
+    token and every bonus token is the target's own argmax, so whatever the draft proposes, the sequence is this
+    path; only how many tokens each round gains differs. `next_token[t]` is the target's argmax after position t,
+    `aux[t]` its aux states at t (one forward over the whole path, as a verify forward sees them)."""
+
+    tokens: list[int]
+    next_token: list[int]
+    aux: torch.Tensor
+
+
 @dataclass
 class TargetRunner:
     model: object  # transformers CausalLM
@@ -32,23 +44,45 @@ class TargetRunner:
         aux = torch.cat([out.hidden_states[i][0] for i in self.aux_ids], -1).float()
         return out.logits[0].float(), aux
 
+    @torch.no_grad()
+    def greedy_path(self, prompt: Sequence[int], new: int) -> GreedyPath:
+        """`new` greedy tokens after the prompt (no stop at eos, as vLLM's `ignore_eos`). Generated with the KV
+        cache, then checked by one full forward: where its argmax differs (a near tie decided otherwise without the
+        cache), the full forward's token wins and generation resumes from there."""
+        from transformers import DynamicCache
+
+        seq = list(prompt)
+        while True:
+            cache = DynamicCache()
+            out = self.model(torch.tensor([seq]), None, None, cache, use_cache=True)  # positional: the cache's
+            tok = int(out.logits[0, -1].argmax())  # keyword changed its name across transformers releases
+            while len(seq) < len(prompt) + new:
+                seq.append(tok)
+                out = self.model(torch.tensor([[tok]]), None, None, cache, use_cache=True)
+                tok = int(out.logits[0, -1].argmax())
+            logits, aux = self(seq)
+            nxt = logits.argmax(-1).tolist()
+            bad = next((t for t in range(len(prompt), len(seq)) if seq[t] != nxt[t - 1]), None)
+            if bad is None:
+                return GreedyPath(seq, nxt, aux)
+            seq = seq[:bad] + [nxt[bad - 1]]
+
 
 @torch.no_grad()
 def propose(draft: Eagle3Draft, d2t_full: torch.Tensor, seq: list[int], aux: torch.Tensor, k: int) -> list[int]:
     """k draft tokens after `seq`, given the target's aux states for seq[:-1] (the last token is not verified by a
-    forward yet: it is the target's own prediction)."""
+    forward yet: it is the target's own prediction). Step 0 runs over every row (its keys are what later steps
+    attend to); steps 1.. only on the last row, the one speculating past the sequence: in the TTT attention a row
+    sees the step-0 keys up to itself and its own chain, so the other rows' later steps change nothing."""
     n = len(seq) - 1  # rows 0..n-1: row t pairs the state at t with token seq[t+1]
-    pos = torch.arange(n)
-    h = draft.fc(aux[:n]).unsqueeze(0)
-    tokens = torch.tensor([seq[1 : n + 1]])
     cache: list = []
+    logits, h = draft.step(torch.tensor([seq[1 : n + 1]]), draft.fc(aux[:n]).unsqueeze(0), torch.arange(n), cache)
     out: list[int] = []
     for step in range(k):
-        logits, h = draft.step(tokens, h, pos + step, cache)
-        nxt = int(d2t_full[int(logits[0, -1].argmax())])
-        out.append(nxt)
-        tokens = tokens.clone()
-        tokens[0, -1] = nxt  # only the last row's chain matters: it is the one speculating past the sequence
+        if step:
+            logits, h = draft.step(torch.tensor([[out[-1]]]), h, torch.tensor([n - 1 + step]), cache)
+        out.append(int(d2t_full[int(logits[0, -1].argmax())]))
+        h = h[:, -1:]
     return out
 
 
@@ -97,30 +131,50 @@ class Bigram:
 
 
 @torch.no_grad()
-def acceptance_length(target: TargetRunner, proposer: Proposer, prompts: list[list[int]], k: int,
-                      max_new: int = 48) -> float:
-    lengths: list[int] = []
-    for prompt in prompts:
-        seq = list(prompt)
-        logits, aux = target(seq)
-        seq.append(int(logits[-1].argmax()))
+def acceptance_rounds(target: TargetRunner, proposer: Proposer, prompts: list[list[int]], k: int,
+                      max_new: int = 48, paths: Sequence[GreedyPath] | None = None) -> list[list[int]]:
+    """Per prompt, the length of each drafting round (accepted drafts + 1): the raw record that every figure below
+    (mean, per position, per prompt set) is a sum over. Each round the draft proposes k tokens after the last
+    verified one; the target keeps the longest prefix equal to its own argmax, plus its own next token. `paths`
+    (one per prompt, at least max_new + k tokens long) saves the target's forwards when several drafts or ks are
+    measured on the same prompts."""
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        path = paths[i] if paths is not None else target.greedy_path(prompt, max_new + k)
+        lengths: list[int] = []
+        seq = list(prompt) + [path.next_token[len(prompt) - 1]]
         produced = 1
         while produced < max_new:
-            drafts = proposer(seq, aux, k)
-            logits, aux_all = target(seq + drafts)
-            base = len(seq) - 1  # logits at `base` predict the token after seq
+            drafts = proposer(seq, path.aux[: len(seq) - 1], k)
+            base = len(seq) - 1  # next_token[base] is the target's token after seq
             accepted = 0
             for j, d in enumerate(drafts):
-                if int(logits[base + j].argmax()) == d:
+                if path.next_token[base + j] == d:
                     accepted += 1
                 else:
                     break
-            bonus = int(logits[base + accepted].argmax())
-            seq += drafts[:accepted] + [bonus]
+            seq += drafts[:accepted] + [path.next_token[base + accepted]]
             produced += accepted + 1
             lengths.append(accepted + 1)
-            aux = aux_all[: len(seq) - 1]
-    return sum(lengths) / len(lengths) if lengths else 0.0
+        out.append(lengths)
+    return out
+
+
+def mean_length(rounds: Sequence[Sequence[int]]) -> float:
+    flat = [n for r in rounds for n in r]
+    return sum(flat) / len(flat) if flat else 0.0
+
+
+def per_position(rounds: Sequence[Sequence[int]], k: int) -> list[float]:
+    """Position i (0-based): the share of rounds whose first i+1 drafts were all accepted, as vLLM's per-position
+    counter divided by its drafts counts them."""
+    flat = [n for r in rounds for n in r]
+    return [sum(1 for n in flat if n - 1 > i) / len(flat) if flat else 0.0 for i in range(k)]
+
+
+def acceptance_length(target: TargetRunner, proposer: Proposer, prompts: list[list[int]], k: int,
+                      max_new: int = 48) -> float:
+    return mean_length(acceptance_rounds(target, proposer, prompts, k, max_new))
 
 
 def dataset_prompts(path: Path, tokenizer: str, profile: str, thinking: bool, n: int, stride: int = 1,
@@ -185,7 +239,8 @@ def bigram_for_run(store, run: str) -> Bigram:  # noqa: ANN001
 def evaluate_proposer(target_dir: str, proposer: Proposer, aux_ids: list[int], prompts: list[list[int]],
                       ks: Sequence[int] = (1, 2, 3, 4, 5), max_new: int = 64) -> dict[int, float]:
     runner = TargetRunner(_target(target_dir)[0], aux_ids)
-    return {k: round(acceptance_length(runner, proposer, prompts, k, max_new), 3) for k in ks}
+    paths = [runner.greedy_path(p, max_new + max(ks)) for p in prompts]
+    return {k: round(mean_length(acceptance_rounds(runner, proposer, prompts, k, max_new, paths)), 3) for k in ks}
 
 
 def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], ks: Sequence[int] = (1, 2, 3, 4, 5),
@@ -228,6 +283,121 @@ def acceptance_table(target_dir: str, export_dir: str, prompts: list[list[int]],
         table["untrained"] = evaluate(target_dir, None, prompts, ks, max_new, draft_vocab_size=draft_vocab_size)
     table["ceiling"] = {k: float(k + 1) for k in ks}
     return table
+
+
+OOD_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "ood_prompts.jsonl"
+HELD_OUT, OOD = "held-out", "out-of-domain"
+
+
+def ood_prompt_sets(tokenizer: str, profile: str, thinking: bool,
+                    path: Path = OOD_PROMPTS) -> dict[str, list[list[int]]]:
+    """The out-of-domain prompts shipped with the package (64, written for eagle3q, worded unlike any training data
+    set: chat, code, math, writing and multi-turn), by category, rendered by the profile's template and tokenized
+    as the server would. A multi-turn row is one prompt: the whole conversation, the next assistant turn to
+    generate."""
+    import json
+
+    from eagle3q.generate.profiles import get_profile
+    from eagle3q.generate.templates import render_prompt
+    from eagle3q.generate.tokenizer import load_tokenizer
+
+    tok, prof = load_tokenizer(tokenizer), get_profile(profile)
+    out: dict[str, list[list[int]]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out.setdefault(row["category"], []).append(tok.encode(render_prompt(prof, row["messages"], thinking)))
+    return out
+
+
+def with_ood(held_out: list[list[int]], ood: dict[str, list[list[int]]] | None
+             ) -> tuple[dict[str, list[list[int]]], dict[str, list[str]], list[str]]:
+    """The prompt sets to measure, the groups over them and the order to print: held-out, then out-of-domain all
+    together and by category."""
+    sets = {HELD_OUT: held_out, **(ood or {})}
+    groups = {OOD: list(ood)} if ood else {}
+    return sets, groups, [HELD_OUT, *([OOD, *ood] if ood else [])]
+
+
+def held_out_table(results: dict[str, SetResult], ks: Sequence[int]) -> dict[str, dict[int, float]]:
+    """The classic table (trained, bigram, ceiling per k) for the held-out set."""
+    r = results[HELD_OUT]
+    return {"trained": r.mean["trained"], "bigram": r.mean["bigram"], "ceiling": {k: float(k + 1) for k in ks}}
+
+
+def plot_positions(results: dict[str, SetResult], out: Path, served: dict[str, list[float]] | None = None
+                   ) -> Path | None:
+    """The per-position acceptance at the largest k: the trained draft and the bigram table on the held-out and the
+    out-of-domain prompts, and vLLM's own where it was measured (eagle3q.plots)."""
+    from eagle3q.plots import acceptance_by_position
+
+    series: dict[str, list[float]] = {}
+    k = 0
+    for name in (HELD_OUT, OOD):
+        if name in results:
+            k = max(results[name].positions["trained"])
+            series[f"trained, {name}"] = results[name].positions["trained"][k]
+            series[f"bigram, {name}"] = results[name].positions["bigram"][k]
+    for name, rates in (served or {}).items():
+        series[f"vLLM, {name}"] = rates
+    return acceptance_by_position(series, out, f"acceptance by draft position (greedy, k = {k} drafts a round)")
+
+
+@dataclass
+class SetResult:
+    """One prompt set's acceptance: per proposer, per k, the mean length and the per-position rates."""
+
+    prompts: int
+    mean: dict[str, dict[int, float]]
+    positions: dict[str, dict[int, list[float]]]
+
+
+def acceptance_by_set(target_dir: str, export_dir: str, sets: dict[str, list[list[int]]],
+                      groups: dict[str, list[str]], store, run: str,  # noqa: ANN001 - an eagle3q.store.Store
+                      ks: Sequence[int] = (1, 3, 5), max_new: int = 64) -> dict[str, SetResult]:
+    """The trained draft and the run's bigram table on each prompt set, and on each group of sets (e.g. every
+    out-of-domain category together), from one pass over every prompt per proposer and k."""
+    from eagle3q.eagle3.export import load_exported
+
+    model, tensors = _target(target_dir)
+    draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
+    runner = TargetRunner(model, cfg["eagle_aux_hidden_state_layer_ids"])
+    proposers = {"trained": draft_proposer(draft, d2t), "bigram": bigram_for_run(store, run)}
+    paths = {s: [runner.greedy_path(p, max_new + max(ks)) for p in prompts] for s, prompts in sets.items()}
+    rounds = {(name, k, s): acceptance_rounds(runner, prop, prompts, k, max_new, paths[s])
+              for name, prop in proposers.items() for k in ks for s, prompts in sets.items()}
+    out: dict[str, SetResult] = {}
+    for name, members in {**{s: [s] for s in sets}, **groups}.items():
+        res = SetResult(sum(len(sets[m]) for m in members), {}, {})
+        for prop in proposers:
+            per_k = {k: [r for m in members for r in rounds[(prop, k, m)]] for k in ks}
+            res.mean[prop] = {k: round(mean_length(v), 3) for k, v in per_k.items()}
+            res.positions[prop] = {k: [round(x, 4) for x in per_position(v, k)] for k, v in per_k.items()}
+        out[name] = res
+    return out
+
+
+def format_sets(results: dict[str, SetResult], order: Sequence[str], served: dict[str, float] | None = None,
+                served_k: int | None = None) -> str:
+    """A row per prompt set: the trained draft's and the bigram table's mean acceptance length at each k, the margin
+    at the largest k, and (served) vLLM's own figure at its k."""
+    ks = list(next(iter(results.values())).mean["trained"])
+    label = "trained, k = " + " / ".join(map(str, ks))
+    w = max(6 * len(ks) + 3 * (len(ks) - 1), len(label))  # "1.234 / 1.234 / ..."
+    head = (f"{'prompt set':<14} {'n':>3}  {label:<{w}}  {'bigram':<{w}}  "
+            f"{'margin k=' + str(ks[-1]):>11}")
+    if served:
+        head += f"  vLLM k={served_k}"
+    lines = [head]
+    for name in order:
+        r = results[name]
+        tr, bg = r.mean["trained"], r.mean["bigram"]
+        line = (f"{name:<14} {r.prompts:>3}  {' / '.join(f'{tr[k]:.3f}' for k in ks):<{w}}  "
+                f"{' / '.join(f'{bg[k]:.3f}' for k in ks):<{w}}  {tr[ks[-1]] - bg[ks[-1]]:>+11.3f}")
+        if served and name in served:
+            line += f"  {served[name]:>9.3f}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def format_table(table: dict[str, dict[int, float]]) -> str:

@@ -119,14 +119,15 @@ class Attention(nn.Module):
         cache.append((k, v))
         scale = 1.0 / math.sqrt(c.head_dim)
         k0, v0 = cache[0]
-        main = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T] over step-0 keys, causal
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        s = k0.shape[-2]  # step-0 rows; a later step may run on the last t of them only (inference: t = 1)
+        main = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, S] over step-0 keys, causal
+        causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
         main = main.masked_fill(~causal, float("-inf"))
         diag = [((q * ki).sum(-1) * scale).unsqueeze(-1) for ki, _ in cache[1:]]  # own chain, steps 1..k
         w = torch.softmax(torch.cat([main, *diag], -1).float(), -1).to(q.dtype)
-        out = w[..., :t] @ v0
+        out = w[..., :s] @ v0
         for i, (_, vi) in enumerate(cache[1:]):
-            out = out + w[..., t + i : t + i + 1] * vi
+            out = out + w[..., s + i : s + i + 1] * vi
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

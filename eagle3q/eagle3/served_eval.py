@@ -44,6 +44,15 @@ class ServedAcceptance:
     drafts: int
     prompts: int
 
+    @classmethod
+    def pooled(cls, parts: list[ServedAcceptance]) -> ServedAcceptance:
+        """Several measurements as one (the counters summed): e.g. every out-of-domain category together."""
+        drafts = sum(p.drafts for p in parts)
+        k = len(parts[0].per_position)
+        return cls(1 + sum((p.mean_length - 1) * p.drafts for p in parts) / drafts,
+                   [sum(p.per_position[i] * p.drafts for p in parts) / drafts for i in range(k)], drafts,
+                   sum(p.prompts for p in parts))
+
 
 def spec_counters(metrics_text: str) -> SpecCounters:
     """The speculative-decoding counters of a Prometheus exposition, summed over engines (and models)."""

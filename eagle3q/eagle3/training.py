@@ -11,7 +11,8 @@ that turns a run's manifest (`eagle3q.eagle3.manifest`) into an exported draft. 
   target's top token is in the draft vocabulary (SpecForge/EAGLE mask the others: the draft cannot propose them).
 - Metrics per epoch, on the training batches and on the held-out rows: pooled per-step top-1 accuracy and prefix
   accuracy (right at this step and every step before), in the log, the progress report, `result.json` and
-  TensorBoard (`<train dir>/tensorboard`, when the tensorboard package is installed).
+  TensorBoard (`<train dir>/tensorboard`, when the tensorboard package is installed), and drawn after each epoch
+  as `<train dir>/curves.png` (when matplotlib is).
 - Resume: the schedule follows from the manifest, the seed and the step, so a resumed trainer continues the same
   batches in the same order; the checkpoint carries the epoch's running metrics.
 """
@@ -37,10 +38,12 @@ from eagle3q.eagle3.manifest import Entry, Manifest
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_vocab
+from eagle3q.plots import training_curves
 
 log = logging.getLogger("eagle3q.train")
 Progress = Callable[..., None]  # progress(state=..., step=..., ...): reported to the ledger by the stage
 STEP_DECAY = 0.8
+CURVES = "curves.png"  # in the train directory, beside tensorboard/: loss and accuracy per epoch (eagle3q.plots)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class TrainResult:
     samples: int = 0
     val_samples: int = 0
     split: dict = field(default_factory=dict)  # eagle3q.eagle3.manifest.split_report: prompts per side, repeats
+    curves: str | None = None  # the loss / accuracy PNG (eagle3q.plots), None without matplotlib
 
     def summary(self) -> str:
         last = self.epochs[-1] if self.epochs else {}
@@ -286,7 +290,7 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
     main = rank == 0
     if not main:
         progress = _quiet
-    export_dir = out / "export"
+    out_dir, export_dir = out, out / "export"
     train, val = manifest.train, manifest.val
     if not train:
         raise RuntimeError(f"run {run} has no hidden-state files to train on")
@@ -368,6 +372,7 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
             running = StepStats.zeros(s.ttt_steps)
             if main:
                 _report_epoch(record, progress, tb)
+                training_curves(epochs, history, out_dir / CURVES, first_step=resumed + 1)
         if main and step % s.checkpoint_every == 0 and step < total:
             save_checkpoint(ckpt, model, opt, {"step": step, "epochs": epochs, "running": running.__dict__})
     if tb is not None:
@@ -375,11 +380,14 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
 
     from eagle3q.eagle3.export import export_draft
 
+    curves = None
     if main:
         export_draft(export_dir, model, cfg, d2t, t2d, meta0)
+        curves = training_curves(epochs, history, out_dir / CURVES, first_step=resumed + 1)
     return TrainResult(run=run, steps=step, final_loss=history[-1] if history else float("nan"), acc=accs,
                        export_dir=str(export_dir), resumed_from=resumed, vocab_coverage=cov, history=history[-50:],
-                       epochs=epochs, samples=len(train), val_samples=len(val))
+                       epochs=epochs, samples=len(train), val_samples=len(val),
+                       curves=str(curves) if curves else None)
 
 
 def _report_epoch(record: dict, progress: Progress, tb) -> None:  # noqa: ANN001 - tb: a SummaryWriter or None

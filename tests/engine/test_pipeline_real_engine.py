@@ -133,7 +133,8 @@ def test_speculative_outputs_equal_plain_greedy(trained: LocalStack, speculating
 def test_vllm_acceptance_equals_eval_draft(trained: LocalStack, speculating: Engine) -> None:
     """`eagle3q eval-draft --server`: vLLM's own counters beside our loop, on the run's held-out prompts."""
     r = subprocess.run([str(Path(sys.executable).parent / "eagle3q"), "eval-draft", "--run", RUN,
-                        "--prompts", "12", "--max-new", str(MAX_NEW), "--server", speculating.url],
+                        "--prompts", "12", "--max-new", str(MAX_NEW), "--server", speculating.url,
+                        "--ood-per-category", "2"],
                        capture_output=True, text=True, timeout=600, env=child_env(trained.env))
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(rf"k={K}, (\d+) drafts\): mean acceptance length ([\d.]+); offline, same prompts: ([\d.]+)",
@@ -143,6 +144,12 @@ def test_vllm_acceptance_equals_eval_draft(trained: LocalStack, speculating: Eng
     assert drafts > 12 * 5
     assert abs(served - offline) <= 0.01, r.stdout
     assert served > 1.2  # the trained draft does help: 1.0 is a draft that never hits
-    rates = [float(x) for x in re.findall(r"\d:([\d.]+)", r.stdout.split("draft position:")[1])]
+    rates = [float(x) for x in re.findall(r"\d:([\d.]+)", r.stdout.split("draft position:")[1].splitlines()[0])]
     assert len(rates) == K and rates == sorted(rates, reverse=True)  # a later position is never accepted more often
+    # the out-of-domain prompts too (2 a category, pooled from vLLM's counters per category): vLLM agrees
+    report = json.loads((trained.store.train_dir(RUN) / "eval" / "eval.json").read_text())
+    ood_served, ood = report["served"]["mean"]["out-of-domain"], report["sets"]["out-of-domain"]
+    assert ood["prompts"] == 10 and abs(ood_served - ood["mean"]["trained"][str(K)]) <= 0.02, report
+    assert "out-of-domain" in r.stdout
+    assert (trained.store.train_dir(RUN) / "eval" / "acceptance_by_position.png").is_file()
 
