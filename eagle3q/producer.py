@@ -24,6 +24,7 @@ from eagle3q.control.ledger import Ledger
 from eagle3q.ids import sample_id
 from eagle3q.prompt_keys import prompt_key
 from eagle3q.sources import BadRow, Prompt, iter_prompts
+from eagle3q.store import Rejection, Store
 
 # Batches grow from FIRST_BATCH to BATCH: the first tasks reach the consumers at once, later ones go in bulk.
 FIRST_BATCH = 8
@@ -155,6 +156,7 @@ def enqueue(
     # "already known").
     first_of: dict[str, str] = {}
     greedy = sampling.temperature == 0
+    store = Store(settings.store_dir)
     for item in iter_prompts(dataset_path, max_prompt_chars=max_prompt_chars, split=split):
         if isinstance(item, BadRow):
             report.bad_rows.append(item)
@@ -169,7 +171,7 @@ def enqueue(
                 report.skipped_duplicates[where] = first_of[key]
                 dup = task_for(item, run, dataset, settings, sampling)
                 if not ledger.known(run, [dup.sample_id])[0]:
-                    ledger.mark_rejected(run, INFERENCE.name, dup.sample_id, DUPLICATE_PROMPT)
+                    reject_duplicate(store, ledger, dup, first_of[key])
                 continue
         else:
             first_of[key] = where
@@ -199,6 +201,16 @@ def enqueue(
         send_train(app, run)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def reject_duplicate(store: Store, ledger: Ledger, task: InferenceTask, original: str) -> None:
+    """A repeat not generated: its rejection in the store, then in the ledger (the order every stage uses), so the
+    files and the counts agree."""
+    row, turn = original.split(":")
+    store.write_rejection(Rejection(
+        sample_id=task.sample_id, run=task.run, stage=INFERENCE.name, reason=DUPLICATE_PROMPT,
+        detail=f"the same messages as row {row} turn {turn}, sent once: temperature 0 gives the same completion"))
+    ledger.mark_rejected(task.run, INFERENCE.name, task.sample_id, DUPLICATE_PROMPT)
 
 
 def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, dataset: str, split: str,  # noqa: ANN001

@@ -44,7 +44,7 @@ def test_greedy_runs_send_a_repeated_prompt_once_and_sampled_runs_send_all(redis
         _conv("What is a heap?", system="Answer in French."),  # another prompt: the system message differs
     ])
     for temperature, run in ((0.0, "greedy"), (0.6, "sampled")):
-        s = Settings(redis_url=redis_server.url, temperature=temperature, max_queued=0)
+        s = Settings(redis_url=redis_server.url, temperature=temperature, max_queued=0, store_dir=tmp_path / "store")
         rep = enqueue(make_app(s), ledger, s, data, run)
         assert rep.prompts == 6 and rep.duplicate_prompts == 2
         open_ids = ledger.open_ids(run, INFERENCE.name)
@@ -57,6 +57,12 @@ def test_greedy_runs_send_a_repeated_prompt_once_and_sampled_runs_send_all(redis
             # every prompt in one place: the repeats end at once, rejected by name, and the counts add up
             c = ledger.counts(run, INFERENCE.name)
             assert c.incoming == 6 and c.rejected == 2 and c.reasons == {"duplicate_prompt": 2} and c.pending == 4
+            from eagle3q.store import Store
+
+            for sid in ledger.rejected(run, INFERENCE.name):  # the store agrees with the ledger, and says why
+                rej = Store(s.store_dir).read_rejection(run, INFERENCE.name, sid)
+                assert rej.reason == "duplicate_prompt"
+                assert "row 0 turn 0" in rej.detail or "row 1 turn 0" in rej.detail
         else:
             assert rep.enqueued == 6 and not rep.skipped_duplicates and len(open_ids) == 6
             assert ledger.counts(run, INFERENCE.name).rejected == 0
