@@ -102,7 +102,7 @@ def level(c: int) -> dict:
     tiny = tiny_target(base)
     data = synthetic_dataset(base / "prompts.jsonl", n)
     prompts = [p.messages for p in iter_prompts(data) if isinstance(p, Prompt)]
-    st = stack(base, tiny, sim)
+    st = stack(base, tiny, sim, EAGLE3Q_REQUEST_TIMEOUT_S="120")  # the test stacks' 5 s is below 256's latency
     cores = sorted(os.sched_getaffinity(0))
     server_core, client_cores = {cores[0]}, set(cores[1:])
     if PIN:

@@ -52,7 +52,8 @@ class TargetRunner:
         from transformers import DynamicCache
 
         seq = list(prompt)
-        while True:
+        attempts = 8  # a correction per near tie; bounded, should rounding ever flip one back and forth
+        for attempt in range(attempts):
             cache = DynamicCache()
             out = self.model(torch.tensor([seq]), None, None, cache, use_cache=True)  # positional: the cache's
             tok = int(out.logits[0, -1].argmax())  # keyword changed its name across transformers releases
@@ -63,9 +64,10 @@ class TargetRunner:
             logits, aux = self(seq)
             nxt = logits.argmax(-1).tolist()
             bad = next((t for t in range(len(prompt), len(seq)) if seq[t] != nxt[t - 1]), None)
-            if bad is None:
+            if bad is None or attempt == attempts - 1:
                 return GreedyPath(seq, nxt, aux)
             seq = seq[:bad] + [nxt[bad - 1]]
+        raise AssertionError("unreachable")
 
 
 @torch.no_grad()

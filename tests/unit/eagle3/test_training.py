@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +127,26 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
     assert len(rates) == 3 and rates == sorted(rates, reverse=True) and rates[0] > 0
     # mean length = 1 + the sum of the per-position rates (every accepted draft counted at its position)
     assert res[OOD].mean["trained"][3] == pytest.approx(1 + sum(rates), abs=2e-3)
+    # the replay on the greedy path gives the rounds a verify forward per round gives (the loop vLLM runs)
+    from eagle3q.eagle3.evaluate import TargetRunner, _target, acceptance_rounds, draft_proposer
+    from eagle3q.eagle3.export import load_exported
+
+    model, tensors = _target(str(tiny))
+    draft, cfg, d2t, _ = load_exported(Path(r.export_dir), tensors["embed"])
+    runner, prop = TargetRunner(model, cfg["eagle_aux_hidden_state_layer_ids"]), draft_proposer(draft, d2t)
+    for prompt, replayed in zip(sets["held-out"][:3], acceptance_rounds(runner, prop, sets["held-out"][:3], 3, 16),
+                                strict=True):
+        seq, rounds = list(prompt), []
+        logits, aux = runner(seq)
+        seq.append(int(logits[-1].argmax()))
+        while len(seq) - len(prompt) < 16:
+            drafts = prop(seq, aux, 3)
+            logits, aux_all = runner(seq + drafts)
+            n = next((j for j, d in enumerate(drafts) if int(logits[len(seq) - 1 + j].argmax()) != d), 3)
+            seq += drafts[:n] + [int(logits[len(seq) - 1 + n].argmax())]
+            rounds.append(n + 1)
+            aux = aux_all[: len(seq) - 1]
+        assert rounds == replayed
     pos = plot_positions(res, tmp_path / "positions.png")
     assert pos is not None and pos.read_bytes()[:4] == b"\x89PNG"
 
