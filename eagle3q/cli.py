@@ -291,9 +291,8 @@ def eval_draft(
         ood_sets = {c: ps[:ood_per_category] for c, ps in ood_sets.items()}
     sets, groups, order = with_ood(ids, ood_sets)
     results = acceptance_by_set(s.target_model, export_dir, sets, groups, store, run, ks, max_new)
-    table = held_out_table(results, ks)
-    if untrained:
-        table["untrained"] = evaluate(s.target_model, None, ids, ks, max_new, draft_vocab_size=s.draft_vocab_size)
+    table = held_out_table(results, ks, evaluate(s.target_model, None, ids, ks, max_new,
+                                                 draft_vocab_size=s.draft_vocab_size) if untrained else None)
     typer.echo(f"{len(ids)} prompts x {max_new} tokens" + ("" if dataset else " (held out: never trained on)"))
     typer.echo(format_table(table))
     served_means: dict[str, float] = {}

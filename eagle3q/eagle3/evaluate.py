@@ -272,19 +272,9 @@ def acceptance_table(target_dir: str, export_dir: str, prompts: list[list[int]],
                      ks: Sequence[int] = (1, 2, 3, 4, 5), max_new: int = 64, draft_vocab_size: int = 32000,
                      untrained: bool = False) -> dict[str, dict[int, float]]:
     """The trained draft, the run's bigram table (and an untrained draft) and the ceiling, on the same prompts."""
-    from eagle3q.eagle3.export import load_exported
-
-    tensors = _target(target_dir)[1]
-    draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
-    aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]
-    table = {
-        "trained": evaluate_proposer(target_dir, draft_proposer(draft, d2t), aux_ids, prompts, ks, max_new),
-        "bigram": evaluate_proposer(target_dir, bigram_for_run(store, run), aux_ids, prompts, ks, max_new),
-    }
-    if untrained:
-        table["untrained"] = evaluate(target_dir, None, prompts, ks, max_new, draft_vocab_size=draft_vocab_size)
-    table["ceiling"] = {k: float(k + 1) for k in ks}
-    return table
+    results = acceptance_by_set(target_dir, export_dir, {HELD_OUT: prompts}, {}, store, run, ks, max_new)
+    extra = evaluate(target_dir, None, prompts, ks, max_new, draft_vocab_size=draft_vocab_size) if untrained else None
+    return held_out_table(results, ks, extra)
 
 
 OOD_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "ood_prompts.jsonl"
@@ -321,10 +311,14 @@ def with_ood(held_out: list[list[int]], ood: dict[str, list[list[int]]] | None
     return sets, groups, [HELD_OUT, *([OOD, *ood] if ood else [])]
 
 
-def held_out_table(results: dict[str, SetResult], ks: Sequence[int]) -> dict[str, dict[int, float]]:
-    """The classic table (trained, bigram, ceiling per k) for the held-out set."""
+def held_out_table(results: dict[str, SetResult], ks: Sequence[int],
+                   untrained: dict[int, float] | None = None) -> dict[str, dict[int, float]]:
+    """The classic table (trained, bigram, an untrained draft where measured, ceiling per k) for the held-out set."""
     r = results[HELD_OUT]
-    return {"trained": r.mean["trained"], "bigram": r.mean["bigram"], "ceiling": {k: float(k + 1) for k in ks}}
+    table = {"trained": r.mean["trained"], "bigram": r.mean["bigram"]}
+    if untrained is not None:
+        table["untrained"] = untrained
+    return {**table, "ceiling": {k: float(k + 1) for k in ks}}
 
 
 def plot_positions(results: dict[str, SetResult], out: Path, served: dict[str, list[float]] | None = None
