@@ -8,7 +8,11 @@ anew (topics, languages, tasks, numbers), so there are enough of them for the la
 distinct prompts (by eagle3q.prompt_keys) from the same families, never trained on. Every size trains on a prefix
 of one pool of samples, so a larger size holds the smaller ones.
 
-    python bench_learning_curve.py [--sizes 250,1000,4000] [--epochs 5,20] [--heldout 32] [--max-new 64]
+The peer column: speculators' own trainer (0.9, `make peers`) on the same samples, exported by `export-data --format
+speculators`, with the same settings where the two share one (eagle3q.dev.speculators_cpu, which also names the
+three changes it needs on a CPU), its draft measured by the same loop. `--no-peer` leaves it out.
+
+    python bench_learning_curve.py [--sizes 250,1000,4000] [--epochs 5,20] [--heldout 32] [--max-new 64] [--no-peer]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from common import report, tiny_target, workdir
 from eagle3q.config import Settings
 from eagle3q.dev.samples import write_samples
 from eagle3q.eagle3.evaluate import OOD, acceptance_by_set, ood_prompt_sets, with_ood
+from eagle3q.eagle3.peer_export import export_data
 from eagle3q.generate.profiles import KIMI_K2
 from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import load_tokenizer
@@ -93,8 +98,14 @@ def link_prefix(store: Store, pool_run: str, run: str, ids: list[str]) -> None:
                 os.link(src, dst)
 
 
+def peer_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("speculators") is not None
+
+
 def main(sizes: tuple[int, ...] = (250, 1000, 4000), epochs: tuple[int, ...] = (5, 20), heldout: int = 32,
-         max_new: int = 64, base: Path | None = None) -> list[dict]:
+         max_new: int = 64, base: Path | None = None, peer: bool = True) -> list[dict]:
     base = base or workdir("learning-curve")
     tiny = tiny_target(base, with_model=True)
     store = Store(base / "store")
@@ -121,6 +132,19 @@ def main(sizes: tuple[int, ...] = (250, 1000, 4000), epochs: tuple[int, ...] = (
             for name in ("held-out", OOD):
                 row[f"{name} trained"] = res[name].mean["trained"][5]
                 row[f"{name} bigram"] = res[name].mean["bigram"][5]
+            if peer:
+                from eagle3q.dev.speculators_cpu import train
+
+                data = export_data(store, run, "speculators", base / "speculators" / run, str(tiny), progress=False,
+                                   val_fraction=0.0, draft_vocab_size=s.draft_vocab_size).out_dir
+                t1 = time.monotonic()
+                ckpt = train(data, tiny, base / "speculators" / f"{run}-ckpt", epochs=ep, lr=s.lr,
+                             draft_vocab_size=s.draft_vocab_size, ttt_steps=s.ttt_steps,
+                             seq_len=s.train_batch_tokens, log=base / "speculators" / f"{run}.log")
+                row["speculators train_s"] = round(time.monotonic() - t1, 1)
+                theirs = acceptance_by_set(str(tiny), str(ckpt), sets, groups, store, run, ks=(5,), max_new=max_new)
+                for name in ("held-out", OOD):
+                    row[f"{name} speculators"] = theirs[name].mean["trained"][5]
             rows.append(row)
             print(json.dumps(row), flush=True)
     _write(base, rows, gen_s, len(ids))
@@ -128,18 +152,25 @@ def main(sizes: tuple[int, ...] = (250, 1000, 4000), epochs: tuple[int, ...] = (
 
 
 def _write(base: Path, rows: list[dict], gen_s: float, n: int) -> None:
-    lines = ["| samples | epochs | steps | train s | held-out: trained | bigram | margin | out-of-domain: trained | "
-             "bigram | margin |", "|---|---|---|---|---|---|---|---|---|---|"]
+    peer = all(f"{OOD} speculators" in r for r in rows)
+    head = "| samples | epochs | steps | train s | held-out: trained | bigram | margin | out-of-domain: trained | " \
+           "bigram | margin |"
+    lines = [head + (" held-out: speculators | out-of-domain: speculators | speculators train s |" if peer else ""),
+             "|---" * (10 + 3 * peer) + "|"]
     for r in rows:
         h, o = r["held-out trained"] - r["held-out bigram"], r[f"{OOD} trained"] - r[f"{OOD} bigram"]
         lines.append(f"| {r['samples']} | {r['epochs']} | {r['steps']} | {r['train_s']} | {r['held-out trained']:.3f} "
                      f"| {r['held-out bigram']:.3f} | {h:+.3f} | {r[f'{OOD} trained']:.3f} | "
-                     f"{r[f'{OOD} bigram']:.3f} | {o:+.3f} |")
+                     f"{r[f'{OOD} bigram']:.3f} | {o:+.3f} |" + (
+                         f" {r['held-out speculators']:.3f} | {r[f'{OOD} speculators']:.3f} | "
+                         f"{r['speculators train_s']} |" if peer else ""))
     (base / "learning_curve.md").write_text("\n".join(lines) + "\n")
     report(f"learning curve, acceptance at k=5 ({n} samples generated in {gen_s:.0f} s; {base})",
            [(f"n={r['samples']} epochs={r['epochs']}", f"held-out {r['held-out trained']:.3f} (bigram "
              f"{r['held-out bigram']:.3f})  out-of-domain {r[f'{OOD} trained']:.3f} (bigram "
-             f"{r[f'{OOD} bigram']:.3f})") for r in rows])
+             f"{r[f'{OOD} bigram']:.3f})" + (f"  speculators: held-out {r['held-out speculators']:.3f}, "
+                                             f"out-of-domain {r[f'{OOD} speculators']:.3f}" if peer else ""))
+            for r in rows])
     try:
         import matplotlib
 
@@ -153,6 +184,9 @@ def _write(base: Path, rows: list[dict], gen_s: float, n: int) -> None:
         xs = [r["samples"] for r in sel]
         ax.plot(xs, [r["held-out trained"] for r in sel], "-o", color=f"C{i}", label=f"held-out, {ep} epochs")
         ax.plot(xs, [r[f"{OOD} trained"] for r in sel], "--o", color=f"C{i}", label=f"out-of-domain, {ep} epochs")
+        if peer:
+            ax.plot(xs, [r[f"{OOD} speculators"] for r in sel], ":s", color=f"C{i}",
+                    label=f"out-of-domain, {ep} epochs, speculators' trainer")
     sel = [r for r in rows if r["epochs"] == rows[-1]["epochs"]]
     ax.plot([r["samples"] for r in sel], [r["held-out bigram"] for r in sel], ":", color="grey",
             label="bigram, held-out")
@@ -172,8 +206,9 @@ if __name__ == "__main__":
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-peer", action="store_true", help="leave speculators' trainer out")
     a = ap.parse_args()
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     main(tuple(int(x) for x in a.sizes.split(",")), tuple(int(x) for x in a.epochs.split(",")), a.heldout,
-         a.max_new, a.out)
+         a.max_new, a.out, peer=not a.no_peer and peer_installed())

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import report, stack, synthetic_dataset, tiny_target, workdir
+from common import RunningProbe, report, stack, synthetic_dataset, tiny_target, workdir
 
 from eagle3q.control import keys
 from eagle3q.sources import Prompt, iter_prompts
@@ -29,6 +29,9 @@ PROCS = int(os.environ.get("EAGLE3Q_BENCH_PROCS", "2"))  # consumer processes sh
 # consumers, Redis, the producer) on the rest. Measured: it does not help eagle3q on 2 cores (its consumers then
 # share one core: 0.915-0.928 of the plain client), so the default shares the cores.
 PIN = os.environ.get("EAGLE3Q_BENCH_PIN", "0") == "1" and len(os.sched_getaffinity(0)) >= 2
+# EAGLE3Q_BENCH_POOL=gevent: the consumers as Celery's gevent pool (one process, greenlets, the peer's shape: one
+# event loop) instead of the inference role's threads.
+POOL = os.environ.get("EAGLE3Q_BENCH_POOL", "threads")
 SECONDS = 30  # per client and level: start-up and the last wave weigh as little as in a real (hours-long) run
 
 
@@ -96,6 +99,21 @@ def pin(pid: int, cores: set[int]) -> None:
             continue
 
 
+def gevent_worker(st, concurrency: int):  # noqa: ANN001, ANN201 - a LocalStack, its Proc
+    """The inference consumer on Celery's gevent pool (the plain celery command, -P gevent)."""
+    import sys
+
+    from eagle3q.dev.local import free_port, spawn, wait_worker_ready
+
+    name = f"inference-gevent-{free_port()}"
+    args = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "inference", "-P", "gevent", "-c",
+            str(concurrency), "--without-gossip", "--without-mingle", "-n", f"{name}@%h", "--loglevel", "INFO"]
+    p = spawn(name, args, st.env, st.tmp / "logs")
+    st.workers.append(p)
+    wait_worker_ready(p)
+    return p
+
+
 def level(c: int) -> dict:
     sim, n = shape(c)
     base = workdir(f"throughput-{c}")
@@ -109,20 +127,31 @@ def level(c: int) -> dict:
         pin(st.sims[0].proc.pid, server_core)
         pin(st.redis.proc.pid, client_cores)
         pin(os.getpid(), client_cores)
+    fills = {}
     try:
-        plain_rps, latency = asyncio.run(plain_client(st.sim_urls[0], prompts, c))
+        with RunningProbe(st.sim_urls[0], c) as probe:
+            t0 = time.time()
+            plain_rps, latency = asyncio.run(plain_client(st.sim_urls[0], prompts, c))
+            fills["plain"] = probe.summary(t0, time.time())
         ideal = c / latency
-        peer_rps = speculators_client(st.sim_urls[0], data, tiny, n, c, base / "speculators.jsonl")
+        with RunningProbe(st.sim_urls[0], c) as probe:
+            t0 = time.time()
+            peer_rps = speculators_client(st.sim_urls[0], data, tiny, n, c, base / "speculators.jsonl")
+            fills["speculators"] = probe.summary(t0, time.time())
         for _ in range(PROCS):
-            worker = st.worker("inference", concurrency=c // PROCS)
+            threads = POOL == "threads"
+            worker = st.worker("inference", concurrency=c // PROCS) if threads else gevent_worker(st, c // PROCS)
             if PIN:
                 pin(worker.proc.pid, client_cores)
-        t0 = time.time()
-        st.enqueue(data, "bench")
-        st.wait_settled("bench", timeout_s=600)
-        # The end is when the last sample was marked done (the ledger's own timestamp), not when the 0.2 s poll
-        # above noticed: the plain client's clock stops with its last response too.
-        last = st.broker.zrange(keys.done("bench", "inference"), -1, -1, withscores=True)[0][1]
+        import eagle3q.producer  # noqa: F401 - imported before the clock starts, as the clients' modules are
+        with RunningProbe(st.sim_urls[0], c) as probe:
+            t0 = time.time()
+            st.enqueue(data, "bench")
+            st.wait_settled("bench", timeout_s=600)
+            # The end is when the last sample was marked done (the ledger's own timestamp), not when the 0.2 s poll
+            # above noticed: the plain client's clock stops with its last response too.
+            last = st.broker.zrange(keys.done("bench", "inference"), -1, -1, withscores=True)[0][1]
+            fills["eagle3q"] = probe.summary(t0, last)
         ours = n / (last - t0)
         cn = st.ledger.counts("bench", "inference")
         assert cn.done == n, cn
@@ -132,7 +161,7 @@ def level(c: int) -> dict:
         st.close()
     where = f"server on core {cores[0]}, clients on {sorted(client_cores)}" if PIN else "shared cores"
     report(f"throughput (a): same simulator, same {n} prompts, {c} in flight, eagle3q as {PROCS} processes x "
-           f"{c // PROCS} threads ({where})", [
+           f"{c // PROCS} {'threads' if POOL == 'threads' else POOL + ' greenlets'} ({where})", [
         ("mean request latency (plain client)", f"{latency:.3f} s"),
         ("ideal max_num_seqs / latency", f"{ideal:.1f} req/s"),
         ("plain asyncio + semaphore client", f"{plain_rps:.1f} req/s ({plain_rps / ideal:.3f} of ideal)"),
@@ -141,7 +170,8 @@ def level(c: int) -> dict:
         ("speculators' regenerate_responses", f"{peer_rps:.1f} req/s ({peer_rps / plain_rps:.3f} of plain)"
          if peer_rps else "not installed (make peers)"),
         ("eagle3q / plain client", f"{ours / plain_rps:.3f}"),
-    ] + ([("eagle3q / speculators' client", f"{ours / peer_rps:.3f}  (goal >= 1.00)")] if peer_rps else []))
+    ] + ([("eagle3q / speculators' client", f"{ours / peer_rps:.3f}  (goal >= 1.00)")] if peer_rps else [])
+      + [(f"server slots, {name}", fill) for name, fill in fills.items()])
     return {"concurrency": c, "ideal": ideal, "plain": plain_rps, "eagle3q": ours, "ratio": ours / plain_rps,
             "speculators": peer_rps, "vs_speculators": ours / peer_rps if peer_rps else None}
 

@@ -236,7 +236,8 @@ def train(run: str = typer.Option("default")) -> None:
 @app.command("eval-draft")
 def eval_draft(
     run: str = typer.Option("default", help="the run: its export, its held-out prompts, its bigram baseline"),
-    export: Path = typer.Option(None, help="an exported draft directory (default: the run's export)"),
+    export: Path = typer.Option(None, help="an exported draft directory, or a checkpoint of speculators' "
+                                "trainer (default: the run's export)"),
     dataset: Path = typer.Option(None, help="prompts from this data set instead of the run's held-out rows "
                                             "(they may have been trained on)"),
     prompts: int = typer.Option(32),

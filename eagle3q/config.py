@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     # finishes waits for the broker round trip before its next request, which cost 6% of throughput at 32 in flight
     # (bench/bench_throughput.py); with 2 the next message is already local. Still bounded: 2 x threads per worker.
     prefetch_multiplier: int = 2
+    # Workers send task events (received, started, succeeded: Flower's task list and worker stats). Measured with
+    # bench/bench_overhead.py: 1-2 ms of a task's 4-5 ms queue overhead, nothing at 32 in flight in bench (a). Off,
+    # Flower still shows the queues (read from the broker) and the workers, not the tasks.
+    task_events: bool = True
     # Lost-message sweep (eagle3q.control.reconcile): every worker runs it, one at a time. An id the broker no longer
     # holds in two sweeps `grace` apart is sent again. 0 turns it off.
     reconcile_period_s: float = 30.0

@@ -53,7 +53,7 @@ def celery_config(s: Settings) -> dict:
         "task_queues": [Queue(q, routing_key=q) for q in QUEUES],
         "task_routes": ROUTES,
         "task_default_queue": INFERENCE.queue,
-        "worker_send_task_events": True,
+        "worker_send_task_events": s.task_events,
         # Workers send task events (-E) for Flower; the producer's extra "sent" event per task would halve the
         # enqueue rate for a state Flower does not need.
         "task_send_sent_event": False,

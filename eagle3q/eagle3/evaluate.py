@@ -78,7 +78,7 @@ def propose(draft: Eagle3Draft, d2t_full: torch.Tensor, seq: list[int], aux: tor
     sees the step-0 keys up to itself and its own chain, so the other rows' later steps change nothing."""
     n = len(seq) - 1  # rows 0..n-1: row t pairs the state at t with token seq[t+1]
     cache: list = []
-    logits, h = draft.step(torch.tensor([seq[1 : n + 1]]), draft.fc(aux[:n]).unsqueeze(0), torch.arange(n), cache)
+    logits, h = draft.step(torch.tensor([seq[1 : n + 1]]), draft.combine(aux[:n]).unsqueeze(0), torch.arange(n), cache)
     out: list[int] = []
     for step in range(k):
         if step:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
+from eagle3q.eagle3.model import DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
 from eagle3q.store import write_atomic
 
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -54,6 +54,9 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
             "use_mtp_layernorm": False,
         },
     }
+    for flag in ("norm_before_fc", "norm_output"):  # speculators' variants (see DraftConfig), written when used
+        if getattr(c, flag):
+            cfg[flag] = True
     return cfg
 
 
@@ -84,18 +87,23 @@ def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tenso
 
 
 def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, dict, torch.Tensor, torch.Tensor]:
-    """Load an exported draft back (the evaluation and the tests use exactly what vLLM would read)."""
+    """Load an exported draft back (the evaluation and the tests use exactly what vLLM would read). A checkpoint of
+    speculators' trainer (its `Eagle3DraftModel` layout, which vLLM loads too) is read as well, so `eval-draft`
+    compares drafts from either trainer on the same prompts."""
     from safetensors.torch import load_file
 
     cfg = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
+    if "speculators_config" in cfg:
+        cfg, tensors = _from_speculators(cfg, tensors)
     dc = DraftConfig(
         hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
         head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
         rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
         max_position_embeddings=cfg["max_position_embeddings"], norm_before_residual=cfg["norm_before_residual"],
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=cfg.get("rope_scaling"), norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+        norm_output=bool(cfg.get("norm_output", False)),
     )
     model = Eagle3Draft(dc, embed_weight)
     weights = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
@@ -106,3 +114,27 @@ def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, d
         identity = torch.zeros(dc.vocab_size, dtype=torch.long), torch.ones(dc.vocab_size, dtype=torch.bool)
         return model.eval(), cfg, *identity
     return model.eval(), cfg, tensors["d2t"], tensors["t2d"]
+
+
+def _from_speculators(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """speculators 0.9's Eagle3 checkpoint as our config and weight names: its decoder is `layers.0.*` (ours
+    `midlayer.*`), its layer settings are nested in `transformer_layer_config`, and it carries its own copy of the
+    target's embeddings (dropped: the target's are used, as vLLM does)."""
+    layer = cfg["transformer_layer_config"]
+    if int(layer.get("num_hidden_layers", 1)) != 1 or cfg.get("fc_norm"):
+        raise ValueError("only one-layer speculators drafts without fc_norm are read (vLLM's Eagle3 Llama layout)")
+    if len(cfg["eagle_aux_hidden_state_layer_ids"]) != 3:
+        raise ValueError("the draft folds 3 aux states: speculators drafts with other counts are not read")
+    ours = {
+        "hidden_size": layer["hidden_size"], "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": layer["num_attention_heads"], "num_key_value_heads": layer["num_key_value_heads"],
+        "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        "vocab_size": layer["vocab_size"], "draft_vocab_size": cfg["draft_vocab_size"],
+        "rms_norm_eps": layer["rms_norm_eps"], "rope_theta": rope_theta_of(layer),
+        "rope_scaling": rope_scaling_of(layer), "max_position_embeddings": layer["max_position_embeddings"],
+        "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+        "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "norm_output": bool(cfg.get("norm_output", False)),
+        "eagle_aux_hidden_state_layer_ids": sorted(cfg["eagle_aux_hidden_state_layer_ids"]),
+    }
+    renamed = {k.replace("layers.0.", "midlayer.", 1): v for k, v in tensors.items() if k != "embed_tokens.weight"}
+    return ours, renamed

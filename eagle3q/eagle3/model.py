@@ -36,6 +36,10 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     norm_before_residual: bool = False
     rope_scaling: dict | None = None  # the target's, carried into the export for vLLM
+    # Two variants of speculators' drafts (vLLM runs both; eagle3q's trainer uses neither): an RMSNorm over the
+    # concatenated aux states before `fc`, and the next step fed the normed output instead of the pre-norm one.
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     @classmethod
     def from_target(cls, cfg: dict, draft_vocab_size: int) -> DraftConfig:
@@ -170,15 +174,21 @@ class Eagle3Draft(nn.Module):
         self.c = c
         # The target's embeddings, frozen (not exported: vLLM shares the target's).
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
+        self.input_norm = RMSNorm(3 * c.hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
         self.fc = nn.Linear(3 * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
 
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [.., 3H] folded into the first step's hidden state [.., H]."""
+        return self.fc(self.input_norm(aux) if self.input_norm is not None else aux)
+
     def step(self, tokens: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cache: list[KV]) -> KV:
         """One TTT step over all rows: (logits over the draft vocab, the hidden state for the next step)."""
         out = self.midlayer(self.embed_tokens(tokens), h, pos, cache)
-        return self.lm_head(self.norm(out)), out
+        normed = self.norm(out)
+        return self.lm_head(normed), normed if self.c.norm_output else out
 
     def exported_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}

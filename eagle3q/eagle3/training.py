@@ -174,7 +174,7 @@ def ttt_loss(model: Eagle3Draft, b: Batch, target_p: torch.Tensor, in_vocab: tor
     T = b.input_ids.numel()
     rows = T - 1
     pos = torch.arange(rows)
-    h = model.fc(b.aux[:rows]).unsqueeze(0)
+    h = model.combine(b.aux[:rows]).unsqueeze(0)
     cache: list = []
     total = torch.zeros(())
     stats = StepStats.zeros(steps)

@@ -300,3 +300,42 @@ def test_the_peers_read_the_held_out_split_and_the_vocabulary(hidden_run, tmp_pa
     assert by_dir["eval"] == want_held and by_dir["train"] == set(tokens.values()) - want_held
     mapping = torch.load(sf / "vocab_mapping.pt", weights_only=True)
     assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+
+
+def test_speculators_trainer_runs_on_our_export_and_eval_reads_its_draft(hidden_run, tmp_path, tiny):  # noqa: ANN001
+    """speculators' own trainer (on the CPU, eagle3q.dev.speculators_cpu) trains on our export; `load_exported`, the
+    loader of eval-draft and the learning-curve bench, reads its checkpoint and runs it as its Eagle3DraftModel does:
+    the same logits over three TTT steps, its input norm before `fc` and its normed outputs fed on included."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3q.dev.speculators_cpu import train
+    from eagle3q.eagle3.export import load_exported
+    from eagle3q.eagle3.training import _shift
+
+    data = tmp_path / "export"
+    export_data(hidden_run, "r", "speculators", data, str(tiny), progress=False, val_fraction=0.0,
+                draft_vocab_size=512)
+    ckpt = train(data, tiny, tmp_path / "ckpt", epochs=1, lr=5e-3, draft_vocab_size=512, log=tmp_path / "log")
+    theirs = Eagle3DraftModel.from_pretrained(str(ckpt)).float().eval()
+    ours, cfg, d2t, t2d = load_exported(ckpt, load_target_tensors(tiny)["embed"])
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert ours.c.norm_before_fc and ours.c.norm_output  # its defaults: the variants the loader must carry
+    assert torch.equal(theirs.d2t.long(), d2t) and torch.equal(theirs.t2d.bool(), t2d)
+
+    t = 129  # its flex-attention masks come in blocks of 128 rows
+    torch.manual_seed(2)
+    x = torch.randint(0, 1024, (t,))
+    aux = torch.randn(t, 3 * 64)
+    rows, pos = t - 1, torch.arange(t - 1) + 1
+    captured: list[torch.Tensor] = []
+    hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
+    with torch.no_grad():
+        theirs(hidden_states=aux[:rows][None], input_ids=x[1:][None], position_ids=pos[None], ttt_steps=3,
+               document_ids=torch.zeros(1, rows, dtype=torch.long))
+        hook.remove()
+        h, cache = ours.combine(aux[:rows]).unsqueeze(0), []
+        for k in range(3):
+            logits, h = ours.step(_shift(x[1:], k).unsqueeze(0), h, pos + k, cache)
+            valid = rows - k
+            scale = captured[k][0, :valid].abs().max().item()
+            assert (logits[0, :valid] - captured[k][0, :valid]).abs().max().item() <= 1e-3 * scale, k

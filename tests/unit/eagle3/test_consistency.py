@@ -75,7 +75,7 @@ def test_text_that_never_emits_a_structural_token_still_agrees(tiny: Path, check
     """Greedy text under a rule that forbids the special tokens mid-text (the simulator's, a bad_words list): where
     the model's own argmax is </think> or end of turn the text goes on with its best ordinary token, and the check,
     which leaves structural tokens out on both sides, agrees as on any greedy text."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
     special = sorted(check.skip)
@@ -85,12 +85,14 @@ def test_text_that_never_emits_a_structural_token_still_agrees(tiny: Path, check
     for seed in range(6):
         ids = torch.randint(20, 400, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
         n_prompt = len(ids)
+        cache, step = DynamicCache(), ids  # generated with the KV cache (the check reads one full forward)
         with torch.inference_mode():
             for _ in range(120):
-                logits = model(torch.tensor([ids])).logits[0, -1]
+                logits = model(torch.tensor([step]), None, None, cache, use_cache=True).logits[0, -1]
                 forced += int(logits.argmax()) in special
                 logits[special] = float("-inf")
                 ids.append(int(logits.argmax()))
+                step = ids[-1:]
         mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
         a = check.agreement(f"g{seed}", ids, mask, ex.extract([ids])[0].final.to(torch.bfloat16), "pre_norm")
         assert a.top1 >= 0.9 and check.passes(a, greedy=True), a
