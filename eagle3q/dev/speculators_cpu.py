@@ -13,6 +13,7 @@ is untouched; it needs three changes to run without an accelerator:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def train(data: Path, verifier: Path, out: Path, *, epochs: int, lr: float, draf
             "--scheduler-warmup-ratio", "0.015", "--ttt-steps", str(ttt_steps), "--ttt-step-loss-decay",
             str(step_decay), "--total-seq-len", str(seq_len), "--num-workers", "0", "--seed", str(seed),
             "--no-resume-from-checkpoint", "--logger", "", "--train-data-ratio", f"{(n - 0.5) / n:.9f}", *CPU_FLAGS]
-    with (log.open("w") if log else subprocess.DEVNULL) as sink:  # type: ignore[union-attr]
+    with log.open("w") if log else contextlib.nullcontext(subprocess.DEVNULL) as sink:
         done = subprocess.run([sys.executable, "-m", "eagle3q.dev.speculators_cpu", *args], stdout=sink,
                               stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:

@@ -119,7 +119,8 @@ def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, d
 def _from_speculators(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """speculators 0.9's Eagle3 checkpoint as our config and weight names: its decoder is `layers.0.*` (ours
     `midlayer.*`), its layer settings are nested in `transformer_layer_config`, and it carries its own copy of the
-    target's embeddings (dropped: the target's are used, as vLLM does)."""
+    target's embeddings (dropped: the target's are used, as vLLM does). Its layer's sliding window (2,048 tokens by
+    default) is not applied: the figures are exact for sequences shorter than it, as `eval-draft`'s are."""
     layer = cfg["transformer_layer_config"]
     if int(layer.get("num_hidden_layers", 1)) != 1 or cfg.get("fc_norm"):
         raise ValueError("only one-layer speculators drafts without fc_norm are read (vLLM's Eagle3 Llama layout)")

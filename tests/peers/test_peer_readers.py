@@ -152,7 +152,6 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3q.eagle3.export import load_exported
-    from eagle3q.eagle3.training import _shift
     from tests.drafts import random_export
 
     tc, tensors, c, draft, d2t, t2d = random_export(tiny, tmp_path / "ours", [2, 4, 5])
@@ -172,22 +171,33 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
     assert torch.equal(theirs.d2t.long(), d2t) and torch.equal(theirs.t2d.bool(), t2d)
     ours = load_exported(tmp_path / "ours", tensors["embed"])[0].eval()
 
+    for k, (mine, its) in enumerate(_ttt_logits(theirs, ours, tc["vocab_size"], c.hidden_size, seed=1)):
+        assert (mine - its).abs().max().item() <= 1e-4, k
+
+
+def _ttt_logits(theirs, ours, vocab: int, hidden: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """Our draft's and speculators' Eagle3DraftModel's logits over three teacher-forced TTT steps (fp32) on the same
+    random tokens and aux states, each step's rows that are not padding: [(ours, theirs)] per step."""
+    from eagle3q.eagle3.training import _shift
+
     t = 129  # its flex-attention masks come in blocks of 128 rows
-    torch.manual_seed(1)
-    x = torch.randint(0, tc["vocab_size"], (t,))
-    aux = torch.randn(t, 3 * c.hidden_size)
+    torch.manual_seed(seed)
+    x = torch.randint(0, vocab, (t,))
+    aux = torch.randn(t, 3 * hidden)
     rows, pos = t - 1, torch.arange(t - 1) + 1
     captured: list[torch.Tensor] = []
     hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
+    out = []
     with torch.no_grad():
         theirs(hidden_states=aux[:rows][None], input_ids=x[1:][None], position_ids=pos[None], ttt_steps=3,
                document_ids=torch.zeros(1, rows, dtype=torch.long))
         hook.remove()
-        h, cache = ours.fc(aux[:rows]).unsqueeze(0), []
+        h, cache = ours.combine(aux[:rows]).unsqueeze(0), []
         for k in range(3):
             logits, h = ours.step(_shift(x[1:], k).unsqueeze(0), h, pos + k, cache)
             valid = rows - k  # past the end both pad with token 0
-            assert (logits[0, :valid] - captured[k][0, :valid]).abs().max().item() <= 1e-4, k
+            out.append((logits[0, :valid], captured[k][0, :valid]))
+    return out
 
 
 def test_speculators_hidden_state_client_accepts_our_simulator(tiny, tmp_path):  # noqa: ANN001
@@ -310,7 +320,6 @@ def test_speculators_trainer_runs_on_our_export_and_eval_reads_its_draft(hidden_
 
     from eagle3q.dev.speculators_cpu import train
     from eagle3q.eagle3.export import load_exported
-    from eagle3q.eagle3.training import _shift
 
     data = tmp_path / "export"
     export_data(hidden_run, "r", "speculators", data, str(tiny), progress=False, val_fraction=0.0,
@@ -322,20 +331,5 @@ def test_speculators_trainer_runs_on_our_export_and_eval_reads_its_draft(hidden_
     assert ours.c.norm_before_fc and ours.c.norm_output  # its defaults: the variants the loader must carry
     assert torch.equal(theirs.d2t.long(), d2t) and torch.equal(theirs.t2d.bool(), t2d)
 
-    t = 129  # its flex-attention masks come in blocks of 128 rows
-    torch.manual_seed(2)
-    x = torch.randint(0, 1024, (t,))
-    aux = torch.randn(t, 3 * 64)
-    rows, pos = t - 1, torch.arange(t - 1) + 1
-    captured: list[torch.Tensor] = []
-    hook = theirs.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
-    with torch.no_grad():
-        theirs(hidden_states=aux[:rows][None], input_ids=x[1:][None], position_ids=pos[None], ttt_steps=3,
-               document_ids=torch.zeros(1, rows, dtype=torch.long))
-        hook.remove()
-        h, cache = ours.combine(aux[:rows]).unsqueeze(0), []
-        for k in range(3):
-            logits, h = ours.step(_shift(x[1:], k).unsqueeze(0), h, pos + k, cache)
-            valid = rows - k
-            scale = captured[k][0, :valid].abs().max().item()
-            assert (logits[0, :valid] - captured[k][0, :valid]).abs().max().item() <= 1e-3 * scale, k
+    for k, (mine, its) in enumerate(_ttt_logits(theirs, ours, 1024, 64, seed=2)):
+        assert (mine - its).abs().max().item() <= 1e-3 * its.abs().max().item(), k
