@@ -100,14 +100,13 @@ def pin(pid: int, cores: set[int]) -> None:
 
 
 def gevent_worker(st, concurrency: int):  # noqa: ANN001, ANN201 - a LocalStack, its Proc
-    """The inference consumer on Celery's gevent pool (the plain celery command, -P gevent)."""
-    import sys
-
+    """The inference consumer on Celery's gevent pool: the role's own command line with `-P gevent`."""
+    from eagle3q.celery.app import worker_args
     from eagle3q.dev.local import free_port, spawn, wait_worker_ready
 
     name = f"inference-gevent-{free_port()}"
-    args = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "inference", "-P", "gevent", "-c",
-            str(concurrency), "--without-gossip", "--without-mingle", "-n", f"{name}@%h", "--loglevel", "INFO"]
+    args = worker_args("inference", concurrency, name, "INFO", concurrency)
+    args[args.index("-P") + 1] = "gevent"
     p = spawn(name, args, st.env, st.tmp / "logs")
     st.workers.append(p)
     wait_worker_ready(p)

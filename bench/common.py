@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eagle3q.dev.local import LocalStack
 from eagle3q.dev.tiny import build_model, build_tokenizer
+from eagle3q.generate.endpoints import parse_gauge
 
 
 def workdir(name: str) -> Path:
@@ -63,9 +64,8 @@ class RunningProbe:
 
         with httpx.Client(timeout=5) as http:
             while not self._stop.is_set():
-                text = http.get(self.url).text
-                line = next(ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running"))
-                self.samples.append((time.time(), int(float(line.rsplit(" ", 1)[1]))))
+                running = parse_gauge(http.get(self.url).text, "vllm:num_requests_running")
+                self.samples.append((time.time(), int(running)))
                 self._stop.wait(0.02)
 
     def __enter__(self) -> RunningProbe:
