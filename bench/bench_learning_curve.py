@@ -127,24 +127,27 @@ def main(sizes: tuple[int, ...] = (250, 1000, 4000), epochs: tuple[int, ...] = (
             t1 = time.monotonic()
             r = train_run(run, s, store)
             train_s = time.monotonic() - t1
-            res = acceptance_by_set(str(tiny), r.export_dir, sets, groups, store, run, ks=(5,), max_new=max_new)
             row = {"samples": n, "epochs": ep, "steps": r.steps, "train_s": round(train_s, 1)}
-            for name in ("held-out", OOD):
-                row[f"{name} trained"] = res[name].mean["trained"][5]
-                row[f"{name} bigram"] = res[name].mean["bigram"][5]
+            others = {}
             if peer:
                 from eagle3q.dev.speculators_cpu import train
 
                 data = export_data(store, run, "speculators", base / "speculators" / run, str(tiny), progress=False,
                                    val_fraction=0.0, draft_vocab_size=s.draft_vocab_size).out_dir
                 t1 = time.monotonic()
-                ckpt = train(data, tiny, base / "speculators" / f"{run}-ckpt", epochs=ep, lr=s.lr,
-                             draft_vocab_size=s.draft_vocab_size, ttt_steps=s.ttt_steps,
-                             seq_len=s.train_batch_tokens, log=base / "speculators" / f"{run}.log")
+                others["speculators"] = str(train(
+                    data, tiny, base / "speculators" / f"{run}-ckpt", epochs=ep, lr=s.lr,
+                    draft_vocab_size=s.draft_vocab_size, ttt_steps=s.ttt_steps, seq_len=s.train_batch_tokens,
+                    log=base / "speculators" / f"{run}.log"))
                 row["speculators train_s"] = round(time.monotonic() - t1, 1)
-                theirs = acceptance_by_set(str(tiny), str(ckpt), sets, groups, store, run, ks=(5,), max_new=max_new)
-                for name in ("held-out", OOD):
-                    row[f"{name} speculators"] = theirs[name].mean["trained"][5]
+            # Both drafts on the same greedy paths of the target, computed once.
+            res = acceptance_by_set(str(tiny), r.export_dir, sets, groups, store, run, ks=(5,), max_new=max_new,
+                                    others=others)
+            for name in ("held-out", OOD):
+                row[f"{name} trained"] = res[name].mean["trained"][5]
+                row[f"{name} bigram"] = res[name].mean["bigram"][5]
+                if peer:
+                    row[f"{name} speculators"] = res[name].mean["speculators"][5]
             rows.append(row)
             print(json.dumps(row), flush=True)
     _write(base, rows, gen_s, len(ids))

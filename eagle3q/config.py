@@ -139,6 +139,11 @@ class Settings(BaseSettings):
     max_len: int = 4096
     checkpoint_every: int = 200
     init_lm_head: bool = True  # the draft's LM head and final norm start as the target's (draft-vocab rows)
+    # The draft's norms (eagle3q.eagle3.model.NORM_LAYOUTS): speculators' three (an RMSNorm over the aux states
+    # before fc, the hidden state normed before the residual, the next TTT step fed the normed output), which vLLM
+    # runs and which measured better out of domain (docs/performance.md); or EAGLE-3's original layout, for a
+    # server that reads only that one.
+    draft_norms: Literal["speculators", "eagle3"] = "speculators"
     # The trainer's run lock: renewed in the background while training, so a trainer that dies frees its run this
     # long after it died (a redelivered training task then takes over from the checkpoint).
     train_lock_s: int = 60

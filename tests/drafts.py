@@ -3,6 +3,7 @@ readers are given in tests/peers and tests/conformance."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -13,11 +14,16 @@ from eagle3q.eagle3.target import load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_mapping
 
 
-def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256):  # noqa: ANN201
-    """-> (target config, target tensors, draft config, draft, d2t, t2d), the draft exported to `out`."""
+def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256,  # noqa: ANN201
+                  norms: str | dict[str, bool] = "speculators"):
+    """-> (target config, target tensors, draft config, draft, d2t, t2d), the draft exported to `out`; `norms`:
+    the draft layout (Settings.draft_norms), or each norm switch by name."""
     tc, tensors = target_config(tiny), load_target_tensors(tiny)
     torch.manual_seed(0)
-    c = DraftConfig.from_target(tc, draft_vocab)
+    if isinstance(norms, str):
+        c = DraftConfig.from_target(tc, draft_vocab, norms)
+    else:
+        c = dataclasses.replace(DraftConfig.from_target(tc, draft_vocab, "eagle3"), **norms)
     draft = Eagle3Draft(c, tensors["embed"])
     for p in draft.parameters():
         if p.requires_grad:

@@ -15,6 +15,7 @@ from eagle3q.store import write_atomic
 def save_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> None:
     from safetensors.torch import save
 
+    state = {**state, "draft_norms": model.c.norms()}
     tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed")}
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
@@ -33,6 +34,14 @@ def load_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer) 
     with safe_open(str(path), framework="pt") as f:
         state = json.loads(f.metadata()["state"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    # A checkpoint of another draft layout would load in part (its optimizer moments shifted onto other
+    # parameters) and resume a different model: refuse it by name. Checkpoints from before the flags were
+    # recorded are EAGLE-3's original layout.
+    saved = state.get("draft_norms", dict.fromkeys(model.c.norms(), False))
+    if saved != model.c.norms():
+        raise ValueError(f"checkpoint {path} holds a draft with norms {saved}, the settings build {model.c.norms()}: "
+                         "set EAGLE3Q_DRAFT_NORMS to the layout it was trained with (speculators = all three on, "
+                         "eagle3 = all off), or delete the checkpoint to start over")
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):

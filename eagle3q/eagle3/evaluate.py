@@ -350,15 +350,25 @@ class SetResult:
 
 def acceptance_by_set(target_dir: str, export_dir: str, sets: dict[str, list[list[int]]],
                       groups: dict[str, list[str]], store, run: str,  # noqa: ANN001 - an eagle3q.store.Store
-                      ks: Sequence[int] = (1, 3, 5), max_new: int = 64) -> dict[str, SetResult]:
+                      ks: Sequence[int] = (1, 3, 5), max_new: int = 64,
+                      others: dict[str, str] | None = None) -> dict[str, SetResult]:
     """The trained draft and the run's bigram table on each prompt set, and on each group of sets (e.g. every
-    out-of-domain category together), from one pass over every prompt per proposer and k."""
+    out-of-domain category together), from one pass over every prompt per proposer and k. `others` (name ->
+    export dir) are more drafts of the same target and aux layers, measured on the same greedy paths (the target's
+    paths are computed once: most of the time for a few drafts)."""
     from eagle3q.eagle3.export import load_exported
 
     model, tensors = _target(target_dir)
     draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
-    runner = TargetRunner(model, cfg["eagle_aux_hidden_state_layer_ids"])
+    aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    runner = TargetRunner(model, aux_ids)
     proposers = {"trained": draft_proposer(draft, d2t), "bigram": bigram_for_run(store, run)}
+    for name, other_dir in (others or {}).items():
+        other, other_cfg, other_d2t, _ = load_exported(Path(other_dir), tensors["embed"])
+        if sorted(other_cfg["eagle_aux_hidden_state_layer_ids"]) != sorted(aux_ids):
+            raise ValueError(f"draft {name} reads aux layers {other_cfg['eagle_aux_hidden_state_layer_ids']}, "
+                             f"the first {aux_ids}: they cannot share the target's paths")
+        proposers[name] = draft_proposer(other, other_d2t)
     paths = {s: [runner.greedy_path(p, max_new + max(ks)) for p in prompts] for s, prompts in sets.items()}
     rounds = {(name, k, s): acceptance_rounds(runner, prop, prompts, k, max_new, paths[s])
               for name, prop in proposers.items() for k in ks for s, prompts in sets.items()}

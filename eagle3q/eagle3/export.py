@@ -41,8 +41,9 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
         "target_hidden_size": c.hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        # Set explicitly: vLLM's default differs between versions.
-        "norm_before_residual": c.norm_before_residual,
+        # The three norm switches, each set explicitly: vLLM's defaults differ between versions, and without
+        # `norm_before_fc` its loader silently drops the `input_norm` weight.
+        **c.norms(),
         # Top level: vLLM (`get_eagle3_aux_layers_from_config`) and the speculators converter read only this key;
         # without it vLLM silently uses the target's default ids. The nested copy is for readers of eagle_config.
         "eagle_aux_hidden_state_layer_ids": list(aux_ids),
@@ -54,9 +55,6 @@ def vllm_config(c: DraftConfig, aux_ids: list[int]) -> dict:
             "use_mtp_layernorm": False,
         },
     }
-    for flag in ("norm_before_fc", "norm_output"):  # speculators' variants (see DraftConfig), written when used
-        if getattr(c, flag):
-            cfg[flag] = True
     return cfg
 
 

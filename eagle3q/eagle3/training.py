@@ -240,7 +240,7 @@ def init_head_from_target(model: Eagle3Draft, tensors: dict[str, torch.Tensor], 
 
 def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, dict]:
     tcfg = target_config(target_dir)
-    cfg = DraftConfig.from_target(tcfg, s.draft_vocab_size)
+    cfg = DraftConfig.from_target(tcfg, s.draft_vocab_size, s.draft_norms)
     tensors = load_target_tensors(target_dir)
     torch.manual_seed(s.seed)
     return Eagle3Draft(cfg, tensors["embed"]), cfg, tensors

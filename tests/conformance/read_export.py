@@ -64,7 +64,12 @@ def main() -> None:
         want = expected(file, name)
         params[name] = None if want is None else bool(torch.equal(p.detach().to(want.dtype), want))
     report["params"] = params
-    report["norm_before_residual"] = getattr(hf, "norm_before_residual", None)
+    # the three norm switches as vLLM's model runs them (each one changes the forward, two without a weight)
+    report["norms"] = {
+        "norm_before_residual": model.model.layers[0]._residual_norm.__name__ == "_norm_before_residual",
+        "norm_before_fc": bool(model.model.norm_before_fc),
+        "norm_output": bool(model.model.norm_output),
+    }
     print(json.dumps(report))
 
 

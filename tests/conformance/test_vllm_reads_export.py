@@ -12,18 +12,19 @@ import pytest
 
 from eagle3q.dev.local import free_port
 from eagle3q.dev.tiny import build_served_model
+from eagle3q.eagle3.model import NORM_LAYOUTS
 from tests.conformance.vllm_server import VLLM_PYTHON
 from tests.drafts import random_export
 
 READER = Path(__file__).with_name("read_export.py")
 
 
-@pytest.mark.parametrize("draft_vocab", [256, 1024])
-def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path, draft_vocab: int) -> None:
+@pytest.mark.parametrize(("draft_vocab", "norms"), [(256, "speculators"), (1024, "speculators"), (256, "eagle3")])
+def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path, draft_vocab: int, norms: str) -> None:
     """1024: the whole target vocabulary, where vLLM's model has no draft_id_to_target_id and a d2t in the file
-    fails its loader."""
+    fails its loader. Both draft layouts (EAGLE3Q_DRAFT_NORMS): vLLM's model runs the norms the draft has."""
     aux = [2, 4, 5]  # vLLM's convention, for the 8-layer tiny target
-    tc, *_ = random_export(tiny, tmp_path / "export", aux, draft_vocab)
+    tc, _, c, *_ = random_export(tiny, tmp_path / "export", aux, draft_vocab, norms)
     assert tc["vocab_size"] == 1024
     target = build_served_model(tiny, tmp_path / "target", "kimi_k2")
 
@@ -44,3 +45,5 @@ def test_vllm_loads_our_draft_export(tiny: Path, tmp_path: Path, draft_vocab: in
     assert {"model.fc.weight", "lm_head.weight", "model.norm.weight",
             "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.hidden_norm.weight"} <= set(params)
     assert ("draft_id_to_target_id" in params) == (draft_vocab < tc["vocab_size"])
+    assert report["norms"] == c.norms() == NORM_LAYOUTS[norms]
+    assert ("model.input_norm.weight" in params) == c.norm_before_fc  # and it holds our tensor (above)

@@ -147,21 +147,36 @@ def test_vocab_mapping_is_the_peers_bit_for_bit(hidden_run, tiny):  # noqa: ANN0
 
 def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noqa: ANN001
     """Our export, converted by `speculators convert --algorithm eagle3`'s converter and run by its
-    Eagle3DraftModel: the same logits as our draft over three TTT steps (fp32, teacher-forced)."""
+    Eagle3DraftModel: the same logits as our draft over three TTT steps (fp32, teacher-forced). The draft has two
+    of the default layout's norms: the converter drops the third's weight (below)."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3q.eagle3.export import load_exported
     from tests.drafts import random_export
 
-    tc, tensors, c, draft, d2t, t2d = random_export(tiny, tmp_path / "ours", [2, 4, 5])
+    convert = Eagle3Converter().convert
+    # speculators 0.9's converter builds its legacy model class, which has no `input_norm`: the weight of
+    # `norm_before_fc` (our default layout) is dropped with a warning, so such a draft cannot be converted (the
+    # docs say so; vLLM loads our export as it is).
+    random_export(tiny, tmp_path / "default", [2, 4, 5])
+    convert(tmp_path / "default", tmp_path / "default-conv", base_model=str(tiny), validate=False,
+            eagle_aux_hidden_state_layer_ids=[2, 4, 5], norm_before_residual=True)
+    assert "input_norm.weight" in load_file(str(tmp_path / "default" / "model.safetensors"))
+    assert "input_norm.weight" not in load_file(str(tmp_path / "default-conv" / "model.safetensors"))
+
+    tc, tensors, c, draft, d2t, t2d = random_export(tiny, tmp_path / "ours", [2, 4, 5],
+                                                    norms={"norm_before_residual": True, "norm_output": True})
     # The converter takes the aux ids as an option (`--algorithm-kwargs`), the README's command passes our
     # config's top-level ids; the converted config must carry them unchanged (same convention as vLLM's).
+    # Nor does it read `norm_before_residual` (it does read norm_output): the documented command passes both.
     ours_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
-    Eagle3Converter().convert(tmp_path / "ours", tmp_path / "conv", base_model=str(tiny), validate=True,
-                              eagle_aux_hidden_state_layer_ids=ours_cfg["eagle_aux_hidden_state_layer_ids"])
+    convert(tmp_path / "ours", tmp_path / "conv", base_model=str(tiny), validate=True,
+            eagle_aux_hidden_state_layer_ids=ours_cfg["eagle_aux_hidden_state_layer_ids"],
+            norm_before_residual=ours_cfg["norm_before_residual"])
     cfg = json.loads((tmp_path / "conv" / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert (cfg["norm_before_residual"], cfg["norm_before_fc"], cfg["norm_output"]) == (True, False, True)
     theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "conv"))
     assert theirs.target_layer_ids == [2, 4, 5]
     # The embeddings from the target, with its own loader. `load_verifier_weights()` fills them only where they

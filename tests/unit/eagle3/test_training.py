@@ -13,6 +13,7 @@ from eagle3q.dev.samples import write_samples
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.eagle3.export import MIDLAYER_KEYS, REQUIRED_KEYS, aux_ids_as_vllm_reads, load_exported
 from eagle3q.eagle3.extract import write_hidden
+from eagle3q.eagle3.model import NORM_FLAGS
 from eagle3q.eagle3.target import load_target_tensors
 from eagle3q.eagle3.vocab import build_mapping, coverage, draft_to_target
 from eagle3q.generate.profiles import KIMI_K2
@@ -59,29 +60,34 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # top level: the only key vLLM reads
     assert aux_ids_as_vllm_reads(cfg) == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["rope_theta"] == json.loads((tiny / "config.json").read_text()).get("rope_theta", 10000.0)
-    assert cfg["norm_before_residual"] is False
+    # speculators' three norms, each written out (vLLM drops `input_norm` unless `norm_before_fc` says so)
+    assert {f: cfg[f] for f in NORM_FLAGS} == dict.fromkeys(NORM_FLAGS, True)
     w = load_file(str(export / "model.safetensors"))
-    assert set(w) == set(REQUIRED_KEYS) | set(MIDLAYER_KEYS)
+    assert set(w) == set(REQUIRED_KEYS) | set(MIDLAYER_KEYS) | {"input_norm.weight"}
     H, heads, kv, hd, inter = 64, 4, 2, 16, 128
     shapes = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (512, H), "d2t": (512,),
               "t2d": (cfg["vocab_size"],), "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * H),
               "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * H),
               "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * H),
               "midlayer.self_attn.o_proj.weight": (H, heads * hd), "midlayer.mlp.gate_proj.weight": (inter, H),
-              "midlayer.mlp.down_proj.weight": (H, inter), "midlayer.hidden_norm.weight": (H,)}
+              "midlayer.mlp.down_proj.weight": (H, inter), "midlayer.hidden_norm.weight": (H,),
+              "input_norm.weight": (3 * H,)}
     for k, shape in shapes.items():
         assert tuple(w[k].shape) == shape, k
     assert w["d2t"].dtype == torch.long and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 512
     assert (draft_to_target(w["d2t"]) == torch.nonzero(w["t2d"]).flatten()).all()
     tensors = load_target_tensors(tiny)
     model, _, _, _ = load_exported(export, tensors["embed"])
-    assert model.fc.weight.shape == (H, 3 * H)
+    assert model.fc.weight.shape == (H, 3 * H) and model.c.norms() == dict.fromkeys(NORM_FLAGS, True)
 
     # A finished run is not trained twice (a redelivered task)...
     assert train_run("t", s, store).skipped
     # ... and an interrupted one resumes from its checkpoint instead of starting over.
     (store.train_dir("t") / "result.json").unlink()
     s3 = s.model_copy(update={"epochs": 3})
+    # not under another draft layout, which would take the weights it shares and resume a different model
+    with pytest.raises(ValueError, match="EAGLE3Q_DRAFT_NORMS"):
+        train_run("t", s3.model_copy(update={"draft_norms": "eagle3"}), store)
     resumed = train_run("t", s3, store)
     assert resumed.resumed_from == 40 and resumed.steps == 144
 
