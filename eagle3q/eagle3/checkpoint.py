@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.model import Eagle3Draft
+from eagle3q.eagle3.model import NORM_LAYOUTS, Eagle3Draft
 from eagle3q.store import write_atomic
 
 
@@ -37,11 +37,12 @@ def load_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer) 
     # A checkpoint of another draft layout would load in part (its optimizer moments shifted onto other
     # parameters) and resume a different model: refuse it by name. Checkpoints from before the flags were
     # recorded are EAGLE-3's original layout.
-    saved = state.get("draft_norms", dict.fromkeys(model.c.norms(), False))
+    saved = state.get("draft_norms", NORM_LAYOUTS["eagle3"])
     if saved != model.c.norms():
+        layout = next((name for name, flags in NORM_LAYOUTS.items() if flags == saved), None)
+        fix = f"set EAGLE3Q_DRAFT_NORMS={layout}" if layout else "train with the layout it was trained with"
         raise ValueError(f"checkpoint {path} holds a draft with norms {saved}, the settings build {model.c.norms()}: "
-                         "set EAGLE3Q_DRAFT_NORMS to the layout it was trained with (speculators = all three on, "
-                         "eagle3 = all off), or delete the checkpoint to start over")
+                         f"{fix}, or delete the checkpoint to start over")
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):

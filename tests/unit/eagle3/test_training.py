@@ -86,7 +86,7 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
     (store.train_dir("t") / "result.json").unlink()
     s3 = s.model_copy(update={"epochs": 3})
     # not under another draft layout, which would take the weights it shares and resume a different model
-    with pytest.raises(ValueError, match="EAGLE3Q_DRAFT_NORMS"):
+    with pytest.raises(ValueError, match="set EAGLE3Q_DRAFT_NORMS=speculators"):
         train_run("t", s3.model_copy(update={"draft_norms": "eagle3"}), store)
     resumed = train_run("t", s3, store)
     assert resumed.resumed_from == 40 and resumed.steps == 144
