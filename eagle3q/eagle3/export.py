@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.model import DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
+from eagle3q.eagle3.model import NORM_FLAGS, DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
 from eagle3q.store import write_atomic
 
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -131,8 +131,7 @@ def _from_speculators(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict
         "vocab_size": layer["vocab_size"], "draft_vocab_size": cfg["draft_vocab_size"],
         "rms_norm_eps": layer["rms_norm_eps"], "rope_theta": rope_theta_of(layer),
         "rope_scaling": rope_scaling_of(layer), "max_position_embeddings": layer["max_position_embeddings"],
-        "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
-        "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "norm_output": bool(cfg.get("norm_output", False)),
+        **{flag: bool(cfg.get(flag, False)) for flag in NORM_FLAGS},
         "eagle_aux_hidden_state_layer_ids": sorted(cfg["eagle_aux_hidden_state_layer_ids"]),
     }
     renamed = {k.replace("layers.0.", "midlayer.", 1): v for k, v in tensors.items() if k != "embed_tokens.weight"}
