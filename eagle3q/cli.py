@@ -167,14 +167,22 @@ def tiny_model(
     tokenizer_only: bool = typer.Option(False, help="only the tokenizer (no torch needed)"),
     layers: int = typer.Option(8),
     hidden: int = typer.Option(64),
+    served: list[str] = typer.Option([], help="also the target as served with this family's chat template and end "
+                                             "of turn, in OUT-<family> (kimi_k2, qwen3, deepseek_r1...)"),
 ) -> None:
-    """Build the tiny local target (tokenizer + random Llama) used by the demo and the tests."""
-    from eagle3q.dev.tiny import build_model, build_tokenizer
+    """Build the tiny local target (tokenizer + random Llama) used by the demo and the tests. Deterministic; a target
+    already built (same shape) is kept, so a server reading it is never handed a half-written file."""
+    from eagle3q.dev.tiny import build_model, build_served_model, build_tokenizer, is_built
 
-    build_tokenizer(out)
-    if not tokenizer_only:
-        build_model(out, layers=layers, hidden=hidden)
-    typer.echo(f"tiny target in {out}")
+    if is_built(out, layers=layers, hidden=hidden, tokenizer_only=tokenizer_only):
+        typer.echo(f"tiny target in {out} (kept)")
+    else:
+        build_tokenizer(out)
+        if not tokenizer_only:
+            build_model(out, layers=layers, hidden=hidden)
+        typer.echo(f"tiny target in {out}")
+    for family in served:
+        typer.echo(f"served as {family} in {build_served_model(out, out.with_name(f'{out.name}-{family}'), family)}")
 
 
 @app.command()

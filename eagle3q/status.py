@@ -52,7 +52,7 @@ def snapshot(ledger: Ledger, run: str) -> dict:
                  "train_fired": ledger.train_fired(run), "bad_rows": int(meta.get("bad_rows", 0) or 0),
                  "duplicate_prompts": int(meta.get("duplicate_prompts", 0) or 0),
                  "skipped_duplicates": int(meta.get("skipped_duplicates", 0) or 0),
-                 "dead_letters": ledger.dead_letters(),
+                 "dead_letters": ledger.dead_letters(), "refused_workers": ledger.refused_workers(),
                  "connector": connector_backlog(get_settings().hs_connector_dir)}
     for name, c in stages.items():
         gen_tokens = c.stats.get("completion_tokens", 0)
@@ -136,6 +136,9 @@ def render(snap: dict) -> Group:
         extra.append("[red]items on the queues that were not messages, set aside: "
                      + ", ".join(f"{q}={n}" for q, n in sorted(snap["dead_letters"].items()))
                      + " (e3q:dead:<queue>)[/red]")
+    for worker, r in sorted((snap.get("refused_workers") or {}).items()):
+        extra.append(f"[red]worker {worker} refused to start: {r['cause']} (fix its settings; it starts once they "
+                     "are right)[/red]")
     if snap.get("connector") and snap["connector"]["files"]:
         c = snap["connector"]
         extra.append(f"extraction connector backlog in {c['dir']}: {c['files']} files, {_fmt_bytes(c['bytes'])}")

@@ -4,19 +4,21 @@ as daemon threads):
 - `MessageLeases` (consumer step): refreshes the delivery time of every message this worker holds, so the
   visibility timeout bounds how long a dead worker's messages wait, not how long a task may run
   (`eagle3q.control.leases`). A consumer step: a reconnect stops and starts it with the new channel.
-- `WorkerServices` (worker step): an inference consumer's context built before the first task
-  (`eagle3q.celery.tasks.warm_inference`), the lost-message sweep (`eagle3q.control.reconcile`), the Prometheus exporter
-  (`EAGLE3Q_METRICS_PORT`), and at shutdown the stages' per-process contexts (the endpoint prober among them).
+- `WorkerServices` (worker step): the stages' contexts built before the first task, or the worker refuses to
+  start with the cause, also in `status` (`eagle3q.celery.tasks.warm_contexts`); the lost-message sweep
+  (`eagle3q.control.reconcile`), the Prometheus exporter (`EAGLE3Q_METRICS_PORT`), and at shutdown the stages'
+  per-process contexts (the endpoint prober among them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from celery import Celery, bootsteps
 from eagle3q.celery.transport import broker_key
 from eagle3q.config import Settings
-from eagle3q.contract import INFERENCE, send_again
+from eagle3q.contract import send_again
 from eagle3q.control import connect
 from eagle3q.control.leases import lease_keeper, refresh_interval_s
 from eagle3q.control.ledger import Ledger
@@ -71,10 +73,20 @@ class WorkerServices(bootsteps.StartStopStep):
     def start(self, w) -> None:  # noqa: ANN001 - the worker
         s, app = self.settings, w.app
         consumed = app.amqp.queues.consume_from  # None: every queue (no -Q)
-        if not consumed or INFERENCE.queue in consumed:
-            from eagle3q.celery.tasks import warm_inference
+        from eagle3q.celery.tasks import ContextError, warm_contexts
 
-            warm_inference(app)
+        role = f"{'+'.join(sorted(consumed)) if consumed else 'all'}@{w.hostname}"
+        ledger = Ledger.from_url(s.broker_url())
+        try:
+            warm_contexts(app, list(consumed) if consumed else None)
+        except ContextError as e:
+            # Celery stops the worker on an exception here ("Unrecoverable error", exit 1); `status` shows why.
+            log.critical("%s", e)
+            with contextlib.suppress(Exception):
+                ledger.worker_refused(role, str(e))
+            raise
+        with contextlib.suppress(Exception):
+            ledger.worker_started(role)
         if s.metrics_port:
             self.metrics_server = METRICS.serve(s.metrics_port)
             log.info("worker metrics on :%d/metrics", s.metrics_port)

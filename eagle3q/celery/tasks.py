@@ -75,12 +75,21 @@ def retry_store_error(task: Task, ledger, run: str, sample_id: str, stage: str, 
     return task.retry(countdown=delay, exc=err)
 
 
-def retry_unexpected(task: Task, ledger, run: str, sample_id: str, stage: str, err: Exception) -> Exception:  # noqa: ANN001
+def retry_unexpected(task: Task, ledger, run: str, sample_id: str, stage: str, err: Exception,  # noqa: ANN001
+                     reject=None) -> Exception | str:  # noqa: ANN001 - reject: (err) -> the rejection's result
     """Anything else (a broker outage outlasting the publish retries, a bug): a failed task would be acknowledged and
-    its prompt lost, so it is retried instead and stays "queued" in the counts, with the traceback in the log."""
-    log.exception("%s/%s: unexpected error in %s, retrying: %s", run, sample_id, stage, err)
+    its prompt lost, so it is retried instead and stays "queued" in the counts, with the traceback in the log. After
+    EAGLE3Q_MAX_RETRIES the sample is rejected as `task_error` (`reject`), so a bug that fails every sample ends
+    the run with a reason instead of re-sending its tasks for ever; while Redis itself is what fails, the rejection
+    cannot be written either and the task keeps retrying."""
+    log.exception("%s/%s: unexpected error in %s (try %d): %s", run, sample_id, stage, task.request.retries + 1, err)
     with contextlib.suppress(Exception):  # Redis itself may be what is down
         ledger.incr(run, stage, "task_errors")
+    if reject is not None and task.request.retries >= get_settings().max_retries:
+        try:
+            return reject(err)
+        except Exception as e:  # noqa: BLE001
+            log.error("%s/%s: could not record the task_error rejection (%s): retrying", run, sample_id, e)
     return task.retry(countdown=_delay(task), exc=err)
 
 
@@ -114,20 +123,32 @@ def _inference_context(app: Celery):  # noqa: ANN202
                          fire_train=lambda run: send_train(app, run))
 
 
-def warm_inference(app: Celery) -> None:
-    """Build the inference context when the consumer starts and ask each endpoint once for its context length and
-    version, so the first wave of tasks (one per thread, all at once) finds them ready: measured, building it on
-    the first task (imports, tokenizer, SDK client) and every thread asking the server the same two questions put
-    ~0.4 s before the first request of a run went out (bench_throughput.py). A failure here only logs: the first
-    task builds it again and fails or retries as it always did (a server not up yet is asked again then)."""
-    try:
-        ctx = _context(INFERENCE.name, lambda: _inference_context(app))
-        for url in [e.url for e in ctx.endpoints.endpoints]:
-            ctx.context_limit(url)
-            with contextlib.suppress(Exception):  # unreachable or too old: the task says so, by name
-                ctx.check_server(url, ctx.settings.profile)
-    except Exception as e:  # noqa: BLE001
-        log.warning("inference context not built at start (%s): the first task will build it", e)
+class ContextError(RuntimeError):
+    """A worker cannot build what its stage needs (tokenizer, target model, store, profile): it refuses to start."""
+
+
+def warm_contexts(app: Celery, queues: list[str] | None) -> None:
+    """Build the contexts of the stages this worker consumes (`queues`; None: all) before it takes a task, and
+    raise ContextError with the cause when one cannot be built: a consumer without its tokenizer or a hidden-state
+    worker without its target would otherwise take every task, fail it and leave the sweep re-sending them for
+    ever, with nothing in `status`. A generation server that is not up yet is not a reason: the inference
+    consumer asks each endpoint once for its context length and version (measured: building all this on the first
+    task, every thread asking the same two questions, put ~0.4 s before the first request of a run,
+    bench_throughput.py) and a task that finds it down retries by name."""
+    builders = {INFERENCE.queue: (INFERENCE.name, lambda: _inference_context(app)),
+                HIDDEN_STATES.queue: (HIDDEN_STATES.name, lambda: _hidden_context(app))}
+    for queue, (stage, build) in builders.items():
+        if queues and queue not in queues:
+            continue
+        try:
+            ctx = _context(stage, build)
+        except Exception as e:  # noqa: BLE001
+            raise ContextError(f"the {stage} worker cannot start: {type(e).__name__}: {e}") from e
+        if stage == INFERENCE.name:
+            for url in [e.url for e in ctx.endpoints.endpoints]:
+                with contextlib.suppress(Exception):  # unreachable or too old: the task says so, by name
+                    ctx.context_limit(url)
+                    ctx.check_server(url, ctx.settings.profile)
 
 
 def _hidden_context(app: Celery):  # noqa: ANN202
@@ -167,9 +188,9 @@ def generate(self: Task, payload: dict, sig: str | None = None) -> str:
         task = parse_payload(InferenceTask, payload, INFERENCE, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
-    from eagle3q.stages.inference import reject_exhausted, run_inference
+    from eagle3q.stages.inference import reject_exhausted, reject_task_error, run_inference
 
-    ctx = _context(INFERENCE.name, lambda: _inference_context(self.app))
+    ctx = _context(INFERENCE.name, lambda: _inference_context(self.app))  # built at start (warm_contexts)
     s = ctx.settings
     try:
         return run_inference(task, ctx)
@@ -188,7 +209,14 @@ def generate(self: Task, payload: dict, sig: str | None = None) -> str:
         log.error("%s/%s not sent: %s", task.run, task.sample_id, e)
         raise self.retry(countdown=s.backoff_max_s, exc=e) from None
     except Exception as e:  # noqa: BLE001
-        raise retry_unexpected(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e) from None
+        return _raise_or_return(retry_unexpected(self, ctx.ledger, task.run, task.sample_id, INFERENCE.name, e,
+                                                 lambda err: reject_task_error(ctx, task, err)))
+
+
+def _raise_or_return(outcome: Exception | str) -> str:
+    if isinstance(outcome, Exception):
+        raise outcome from None
+    return outcome
 
 
 def extract(self: Task, payload: dict, sig: str | None = None) -> str:
@@ -197,9 +225,9 @@ def extract(self: Task, payload: dict, sig: str | None = None) -> str:
     except RefusedPayload as e:
         return f"refused: {e}"
     from eagle3q.eagle3.vllm_extract import ServerError
-    from eagle3q.stages.hidden_states import reject_exhausted, run_extract
+    from eagle3q.stages.hidden_states import reject_exhausted, reject_task_error, run_extract
 
-    ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))
+    ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))  # built at start (warm_contexts)
     try:
         return run_extract(ref, ctx)
     except ServerTooOld as e:  # an extraction server that drops the final layer: nothing sent, waits for an upgrade
@@ -217,7 +245,8 @@ def extract(self: Task, payload: dict, sig: str | None = None) -> str:
     except StoreError as e:
         raise retry_store_error(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
     except Exception as e:  # noqa: BLE001
-        raise retry_unexpected(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e) from None
+        return _raise_or_return(retry_unexpected(self, ctx.ledger, ref.run, ref.sample_id, HIDDEN_STATES.name, e,
+                                                 lambda err: reject_task_error(ctx, ref, err)))
 
 
 def train(self: Task, payload: dict, sig: str | None = None) -> str:

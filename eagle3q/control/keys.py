@@ -19,6 +19,7 @@ RUNS = _k("runs")  # set of run names
 RECONCILE_LOCK = _k("reconcile", "lock")  # string with a PX lease: one lost-message sweep at a time
 RECONCILE_SEEN = _k("reconcile", "seen")  # hash "stage|run|id" -> when the sweep first saw it stranded
 DEAD_LETTER_COUNTS = _k("dead", "counts")  # hash queue -> items set aside (not messages)
+WORKERS_REFUSED = _k("workers", "refused")  # hash "queues@host" -> JSON {cause, at}: workers that would not start
 
 
 def dead_letters(queue: str) -> str:

@@ -12,6 +12,7 @@ and sends again what the broker lost. Key names: `eagle3q.control.keys`.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -115,6 +116,18 @@ class Ledger:
         from eagle3q.control.dead_letters import counts
 
         return counts(self._r)
+
+    # --- workers that refused to start (eagle3q.celery.bootsteps) ---
+    def worker_refused(self, worker: str, cause: str) -> None:
+        self._r.hset(keys.WORKERS_REFUSED, worker, json.dumps({"cause": cause, "at": time.time()}))
+
+    def worker_started(self, worker: str) -> None:
+        self._r.hdel(keys.WORKERS_REFUSED, worker)
+
+    def refused_workers(self) -> dict[str, dict]:
+        """worker ("queues@host") -> {cause, at}: the last refusal of each worker that has not started since."""
+        return {k.decode() if isinstance(k, bytes) else k: json.loads(v)
+                for k, v in self._r.hgetall(keys.WORKERS_REFUSED).items()}
 
     def ping(self) -> bool:
         return bool(self._r.ping())

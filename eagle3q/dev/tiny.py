@@ -100,6 +100,21 @@ def build_model(out_dir: Path, layers: int = 8, hidden: int = 64, seed: int = 0)
     return out_dir
 
 
+def is_built(out_dir: Path, layers: int = 8, hidden: int = 64, tokenizer_only: bool = False) -> bool:
+    """`out_dir` already holds what `build_model` makes with these settings (the tokenizer alone when
+    `tokenizer_only`): its config's shape and head count, the weights written."""
+    if not (out_dir / "tokenizer.json").is_file():
+        return False
+    if tokenizer_only:
+        return True
+    cfg_path = out_dir / "config.json"
+    if not (out_dir / "model.safetensors").is_file() or not cfg_path.is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    return (cfg.get("num_hidden_layers"), cfg.get("hidden_size"), cfg.get("num_attention_heads")) == (
+        layers, hidden, TINY_HEADS)
+
+
 # Jinja chat templates of the supported families, rendering the generation prompt the way the real models' templates
 # do (the parts that decide the token stream: role tags, end-of-turn, the reasoning prefill and its switch). They are
 # what vLLM's own server applies to the tiny target in tests/conformance; `eagle3q.generate.templates.render_prompt`

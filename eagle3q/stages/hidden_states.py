@@ -155,6 +155,15 @@ def reject_exhausted(ctx: HiddenContext, ref: SampleRef, err: Exception) -> str:
     return "rejected:retries_exhausted_hs_server"
 
 
+def reject_task_error(ctx: HiddenContext, ref: SampleRef, err: Exception) -> str:
+    """Unexpected errors on this sample through every retry: rejected as `task_error` with the last one."""
+    if ctx.ledger.is_terminal(ref.run, STAGE, ref.sample_id):
+        return "duplicate"
+    _reject(ctx, ref.run, ref.sample_id, "task_error", f"{type(err).__name__}: {err}")
+    _after(ctx, ref.run)
+    return "rejected:task_error"
+
+
 def _after(ctx: HiddenContext, run: str) -> None:
     if ctx.ledger.maybe_fire_train(run):
         log.info("run %s reached its training target: training triggered", run)

@@ -156,6 +156,15 @@ def reject_exhausted(ctx: InferenceContext, task: InferenceTask, err: TransientE
     _reject(ctx, task, f"retries_exhausted_{err.kind}", err.detail, None)
 
 
+def reject_task_error(ctx: InferenceContext, task: InferenceTask, err: Exception) -> str:
+    """The same sample raised unexpected errors through every retry (EAGLE3Q_MAX_RETRIES): a named rejection with
+    the last error, so the run drains instead of sending the task again for ever."""
+    if ctx.ledger.is_terminal(task.run, STAGE, task.sample_id):
+        return "duplicate"
+    _reject(ctx, task, "task_error", f"{type(err).__name__}: {err}", None)
+    return "rejected:task_error"
+
+
 def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
     """Returns "accepted", "rejected:<reason>", "duplicate" or "refused:...". Raises TransientError (retry) or
     StoreError (retry)."""
