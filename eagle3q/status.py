@@ -207,3 +207,48 @@ def show(ledger: Ledger, run: str, watch: bool = False, every_s: float = 2.0, co
         while True:
             time.sleep(every_s)
             live.update(render(snapshot(ledger, run)))
+
+
+WAITABLE = (INFERENCE.name, HIDDEN_STATES.name, "train")
+
+
+def drained(snap: dict, stage: str) -> bool:
+    """`stage` has nothing left to do in this run: every prompt enqueued and every one that reached the stage done
+    or rejected (inference, hidden_states), or the draft trained (train). What a hand-off between servers on the
+    same GPUs waits for (docs/deployment.md)."""
+    if stage == "train":
+        return snap["train"].get("state") == "done"
+    if str(snap["meta"].get("enqueue_complete")) != "1":
+        return False
+    order = [INFERENCE.name, HIDDEN_STATES.name]
+    for name in order[: order.index(stage) + 1]:
+        st = snap["stages"][name]
+        if st["pending"] or not st["incoming"]:
+            return False
+    return True
+
+
+def wait_for(ledger: Ledger, run: str, stage: str, timeout_s: float = 0, every_s: float = 2.0,
+             console: Console | None = None) -> int:
+    """Block until `drained(stage)`, printing one progress line a minute; 0 when drained, 1 on training failure
+    or time-out (`timeout_s` > 0), with the status table."""
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    t0, last = time.monotonic(), 0.0
+    while True:
+        snap = snapshot(ledger, run)
+        if drained(snap, stage):
+            console.print(render(snap))
+            return 0
+        failed = snap["train"].get("state") == "failed"
+        timed_out = timeout_s > 0 and time.monotonic() - t0 > timeout_s
+        if failed or timed_out:
+            console.print(render(snap))
+            console.print(f"[red]{stage} of run {run}: {'training failed' if failed else 'not drained in time'}[/red]")
+            return 1
+        if time.monotonic() - last >= 60:
+            st = snap["stages"].get(stage) or {}
+            console.print(f"[{time.monotonic() - t0:5.0f}s] waiting for {stage}: "
+                          + (f"{st['done']}+{st['rejected']}/{st['incoming']}" if st else
+                             f"{snap['train'].get('state', 'not started')} {snap['train'].get('step', '')}"))
+            last = time.monotonic()
+        time.sleep(every_s)

@@ -5,7 +5,8 @@ vLLM's real engine (`eagle3q.dev.vllm_shaping`, a logits processor).
 A random model never closes its reasoning or ends its turn on its own. This rule forces the markers at lengths drawn
 from the prompt's ids (about 70/30 around a mean, as the simulator does) and keeps the model from emitting them
 anywhere else; every other token is the model's own greedy choice. It serves thinking-mode requests (the prompt
-either opened `<think>` or the model opens it first). Pure and deterministic, so a test computes the expected
+either opened `<think>` or the model opens it first) and thinking-off ones (the prompt closed the block: an answer
+only, as `deploy/first-contact.sh` asks for). Pure and deterministic, so a test computes the expected
 tokens with transformers' greedy and the same rule (`hf_generate`)."""
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ class ShapedGreedy:
     def lengths(self, prompt: Sequence[int]) -> tuple[int, int]:
         return output_lengths(",".join(map(str, prompt)), self.mean_tokens)
 
+    def thinking_off(self, prompt: Sequence[int]) -> bool:
+        """The generation prompt holds a closed reasoning block after its last `<think>` (Kimi-K2.5's
+        `<think></think>`, Qwen3's `<think>\n\n</think>`): thinking is off for this request."""
+        ids = list(prompt)
+        if self.open_id not in ids:
+            return False
+        last_open = len(ids) - 1 - ids[::-1].index(self.open_id)
+        return self.close_id in ids[last_open:]
+
     def forced(self, prompt: Sequence[int], out: Sequence[int]) -> int | None:
         """The token this position must be, or None where the model chooses (greedy, `suppressed` masked)."""
         n_reason, n_answer = self.lengths(prompt)
-        lead = 0 if self.prompt_opens_think else 1
         n = len(out)
+        if self.thinking_off(prompt):  # the template closed the reasoning: an answer, then the end of turn
+            return self.end_id if n == n_answer else None
+        lead = 0 if self.prompt_opens_think else 1
         if lead and n == 0:
             return self.open_id
         if n == lead + n_reason:

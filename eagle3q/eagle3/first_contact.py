@@ -1,7 +1,8 @@
 """`eagle3q check-extraction`: before a long run, one sample through the extraction server, printed raw, and the
 checks that decide whether its hidden states will be right (issue 21.5; `deploy/first-contact.sh` does the same for
 generation):
-  - the generation server answers one greedy request with its token ids (the sample: the target's own text);
+  - the generation server answers one greedy request with its token ids (the sample: the target's own text), or
+    with `--run RUN` one accepted sample of that run is taken from the store (the generation server stopped);
   - the extraction server's /version, and whether it is new enough for this target's final layer;
   - the file holds one state per configured layer id (the target's L and the aux ids), finite, one row per token;
   - the consistency check: the final state predicts the sample's next tokens (greedy: >= EAGLE3Q_HS_CHECK_MIN_GREEDY),
@@ -35,7 +36,22 @@ def _generate(s: Settings, headers: dict[str, str]) -> tuple[list[int], list[int
     return prompt, gen
 
 
-def check_extraction(s: Settings, say: Callable[[str], None]) -> bool:
+def _stored(s: Settings, run: str) -> tuple[list[int], list[int], bool]:
+    """One accepted sample of `run` from the store: (prompt ids, generated ids, generated greedily). For the hand-off
+    on one GPU box, where the generation server is stopped before the extraction server starts."""
+    from eagle3q.contract import INFERENCE
+    from eagle3q.control.ledger import Ledger
+    from eagle3q.store import Store
+
+    ids = sorted(Ledger.from_url(s.broker_url()).done_ids(run, INFERENCE.name))
+    if not ids:
+        raise ValueError(f"run {run} has no accepted sample yet")
+    sample = Store(s.store_dir).read_sample(run, ids[0])
+    n = sample.num_prompt_tokens
+    return sample.input_ids[:n], sample.input_ids[n:], sample.sampling.temperature == 0
+
+
+def check_extraction(s: Settings, say: Callable[[str], None], run: str | None = None) -> bool:
     import torch
 
     from eagle3q.eagle3.consistency import ConsistencyCheck
@@ -51,8 +67,13 @@ def check_extraction(s: Settings, say: Callable[[str], None]) -> bool:
         ok = ok and passed
         say(f"  [{'ok' if passed else 'FAIL'}] {name}" + (f": {detail}" if detail else ""))
 
-    say(f"== generation server {s.vllm_base_urls[0]} (model {s.model}): one greedy sample")
-    prompt, gen = _generate(s, headers)
+    if run is None:
+        say(f"== generation server {s.vllm_base_urls[0]} (model {s.model}): one greedy sample")
+        prompt, gen = _generate(s, headers)
+        greedy = True
+    else:
+        prompt, gen, greedy = _stored(s, run)
+        say(f"== one accepted sample of run {run} from the store ({'greedy' if greedy else 'sampled'})")
     say(f"prompt_token_ids ({len(prompt)}): {prompt}")
     say(f"token_ids ({len(gen)}): {gen}")
     root = s.hs_vllm_base_url.rstrip("/").removesuffix("/v1")
@@ -87,7 +108,8 @@ def check_extraction(s: Settings, say: Callable[[str], None]) -> bool:
     a = cc.agreement("first-contact", ids, [0] * len(prompt) + [1] * len(gen),
                      out.final.to(torch.bfloat16), ex.final_state)
     say("consistency: " + json.dumps({**a.as_meta(), "by_offset(-1,0,+1)": list(a.by_offset)}))
-    check(f"the final state predicts the next token (greedy threshold {cc.min_greedy}) at the stored alignment",
-          cc.passes(a, greedy=True), f"top-1 {a.top1:.3f}, best offset {a.offset}")
+    threshold = cc.min_greedy if greedy else cc.min_agreement
+    check(f"the final state predicts the next token ({'greedy ' if greedy else ''}threshold {threshold}) at the "
+          "stored alignment", cc.passes(a, greedy=greedy), f"top-1 {a.top1:.3f}, best offset {a.offset}")
     say("== all checks passed" if ok else "== a check failed: fix it before enqueueing")
     return ok

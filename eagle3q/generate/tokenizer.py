@@ -71,10 +71,9 @@ def load_tokenizer(spec: str) -> TokenizerLike:
         return FastTokenizer(path)
     if (path / "tokenizer.json").is_file():
         return FastTokenizer(path / "tokenizer.json")
-    if path.is_absolute() or spec.startswith("."):
-        if not path.exists():
-            raise FileNotFoundError(f"tokenizer {spec} does not exist (EAGLE3Q_TOKENIZER: a directory with "
-                                    "tokenizer.json, or a hub id)")
+    if (path.is_absolute() or spec.startswith(".")) and not path.exists():
+        raise FileNotFoundError(f"tokenizer {spec} does not exist (EAGLE3Q_TOKENIZER: a directory with "
+                                "tokenizer.json, or a hub id)")
     try:
         import transformers  # noqa: F401
     except ModuleNotFoundError:

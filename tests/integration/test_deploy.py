@@ -34,7 +34,10 @@ def test_every_command_names_something_that_exists():
     cli_commands = {c.name or c.callback.__name__.replace("_", "-") for c in cli_app.registered_commands}
     for name, svc in SERVICES.items():
         cmd = _cmd(svc)
-        if svc.get("image", "").startswith(("redis:", "vllm/")):  # the images' own entry points
+        if "build" not in svc:  # redis, vLLM: the images' own entry points
+            continue
+        if svc["build"]["dockerfile"] == "deploy/Dockerfile.vllm-cpu":  # its entry point is `vllm`
+            assert _cmd(svc)[0] == "serve", name
             continue
         assert cmd, name
         if cmd[0] == "eagle3q":
@@ -77,7 +80,8 @@ def test_extraction_vllm_and_its_readers():
 def test_env_keys_match_the_settings():
     for name, svc in SERVICES.items():
         for key in _env(svc):
-            if key.startswith("EAGLE3Q_"):
+            # EAGLE3Q_SHAPE_*: the CPU engine's shaping plugin (eagle3q.dev.vllm_shaping), not a setting
+            if key.startswith("EAGLE3Q_") and not key.startswith("EAGLE3Q_SHAPE_"):
                 assert key in ENV_KEYS, (name, key)
     example = (ROOT / "deploy" / ".env.example").read_text()
     for line in example.splitlines():
@@ -212,7 +216,7 @@ def test_vllm_image_serves_kimi_k2_5():
     """Kimi-K2.5 and the kimi_k2 reasoning parser arrived in vLLM 0.15: the default tag must be at least that, with
     the recipe's flags."""
     image = SERVICES["vllm"]["image"]
-    tag = re.search(r":-v?([0-9.]+)\}$", image).group(1)
+    tag = re.search(r":-v?([0-9.]+)\}+$", image).group(1)
     assert tuple(int(x) for x in tag.split(".")[:2]) >= (0, 15), image
     assert _env_example()["VLLM_IMAGE_TAG"].lstrip("v") == tag
     cmd = " ".join(_cmd(SERVICES["vllm"]))
@@ -238,3 +242,50 @@ def test_first_contact_script_against_the_simulator(tiny_tokenizer, tmp_path):  
         assert ("all checks passed" in r.stdout) is (rc == 0)
         assert '"token_ids"' in r.stdout  # printed raw
     assert "[FAIL] the </think> id is in token_ids" in r.stdout
+
+
+def test_every_image_is_a_variable_with_a_public_default():
+    """Air-gapped users (and the compose tier here) point these at a mirror or at images built from Debian."""
+    for name, svc in SERVICES.items():
+        image = svc.get("image", "")
+        if "build" in svc:
+            assert image.startswith("eagle3q-"), name  # built here, from a base image that is a variable
+            args = svc["build"].get("args", {})
+            assert all(str(v).startswith("${") for v in args.values()), (name, args)
+            assert svc["build"].get("secrets") == ["pip_cert"], name
+        else:
+            assert image.startswith("${") and ":-" in image, (name, image)
+    assert SERVICES["redis"]["image"] == "${REDIS_IMAGE:-redis:7.4-alpine}"
+    assert COMPOSE["secrets"]["pip_cert"]["file"] == "${BUILD_CA_BUNDLE:-/dev/null}"
+    for dockerfile in (ROOT / "deploy").glob("Dockerfile.*"):
+        text = dockerfile.read_text()
+        froms = re.findall(r"^FROM (\S+)", text, re.M)
+        assert froms and all(f.startswith("${") for f in froms), dockerfile  # FROM an ARG, never a fixed image
+        assert "USER eagle3q" in text and "chown eagle3q /store /models" in text, dockerfile  # uid 1000, owns both
+        # the CA bundle only as a secret mount, never copied or set as a path into a layer
+        assert "ca-certificates.crt" not in text and "ENV PIP_CERT" not in text, dockerfile
+
+
+def test_the_light_services_reach_the_tokenizer_and_the_servers_are_published():
+    """Found by running the stack: the light services mounted no `models` volume (the tokenizer out of reach), and
+    `deploy/first-contact.sh http://localhost:8000/v1` had no port to reach on the host."""
+    for name in ("inference", "producer", "flower"):
+        assert "models:/models" in SERVICES[name]["volumes"], name
+    for name in ("vllm", "vllm-cpu"):
+        assert SERVICES[name]["ports"] == ["${VLLM_PORT:-8000}:8000"], name
+
+
+def test_cpu_extraction_ids_are_the_tiny_targets_defaults(tiny):  # noqa: ANN001
+    """The cpu-extract engine asks for the tiny target's aux ids and its final layer, in vLLM's convention."""
+    import json
+
+    from eagle3q.eagle3.extract import default_aux_ids
+
+    cmd = " ".join(_cmd(SERVICES["vllm-cpu-hs"]))
+    spec = json.loads(cmd.split("--speculative-config '")[1].split("'")[0].replace(
+        "${CPU_HS_LAYER_IDS:-[2,4,5,8]}", "[2,4,5,8]"))
+    layers = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*default_aux_ids(layers),
+                                                                                           layers]
+    assert "shared_storage_path\":\"/store/connector" in cmd
+    assert _env(SERVICES["hidden_states_vllm_cpu"])["EAGLE3Q_HS_CONNECTOR_DIR"] == "/store/connector"

@@ -18,13 +18,25 @@ def _walk(rule: ShapedGreedy, prompt: list[int]) -> list[int | None]:
 def test_markers_are_placed_once_at_lengths_drawn_from_the_prompt() -> None:
     for opens in (True, False):
         rule = ShapedGreedy(open_id=1, close_id=2, end_id=3, prompt_opens_think=opens)
-        for prompt in ([10, 11, 12], [10, 11, 13], list(range(50))):
+        for prompt in ([10, 11, 12], [10, 11, 13], list(range(10, 60))):
             n_reason, n_answer = rule.lengths(prompt)
             forced = _walk(rule, prompt)
             lead = [] if opens else [1]
             assert forced == [*lead, *[None] * n_reason, 2, *[None] * n_answer, 3]
     a, b = ShapedGreedy(1, 2, 3, True).lengths([10, 11, 12]), ShapedGreedy(1, 2, 3, True).lengths([10, 11, 12])
     assert a == b  # deterministic: the reference and the engine agree on a prompt's lengths
+
+
+def test_thinking_off_answers_without_markers() -> None:
+    """A prompt whose template closed the reasoning (Kimi-K2.5's `<think></think>`): the answer, then the end of
+    turn, and no `</think>` generated (deploy/first-contact.sh's thinking-off request fails on one)."""
+    for opens in (True, False):
+        rule = ShapedGreedy(open_id=1, close_id=2, end_id=3, prompt_opens_think=opens)
+        prompt = [10, 11, 1, 2]
+        assert rule.thinking_off(prompt) and not rule.thinking_off([10, 11, 1]) and not rule.thinking_off([10])
+        assert not rule.thinking_off([1, 2, 5, 1])  # an earlier closed block, then a new one opened: thinking on
+        _, n_answer = rule.lengths(prompt)
+        assert _walk(rule, prompt) == [*[None] * n_answer, 3]
 
 
 def test_lengths_vary_with_the_prompt_around_the_mean() -> None:

@@ -38,3 +38,23 @@ def test_a_store_too_small_for_the_run_is_a_red_line(tmp_path: Path) -> None:
     console = Console(record=True, width=400)
     console.print(render(snap))
     assert "the store will fill before the run ends" in console.export_text()
+
+
+def test_drained_is_what_the_hand_off_waits_for() -> None:
+    """`status --wait-for STAGE`: a stage has drained when the producer has finished and nothing of the run is left
+    in it or before it; training when the draft is trained."""
+    from eagle3q.status import drained
+
+    def snap(complete: bool, inf: tuple[int, int], hs: tuple[int, int], train: str | None = None) -> dict:
+        return {"meta": {"enqueue_complete": "1" if complete else "0"}, "train": {"state": train} if train else {},
+                "stages": {"inference": {"incoming": inf[0], "pending": inf[1]},
+                           "hidden_states": {"incoming": hs[0], "pending": hs[1]}}}
+
+    assert drained(snap(True, (10, 0), (8, 3)), "inference") and not drained(snap(True, (10, 0), (8, 3)),
+                                                                           "hidden_states")
+    assert not drained(snap(False, (10, 0), (8, 0)), "inference")  # the producer is still sending
+    assert not drained(snap(True, (10, 2), (8, 0)), "hidden_states")  # samples still to come from inference
+    assert not drained(snap(True, (0, 0), (0, 0)), "inference")  # nothing enqueued yet is not done
+    assert drained(snap(True, (10, 0), (8, 0)), "hidden_states")
+    assert not drained(snap(True, (10, 0), (8, 0), "training"), "train") and drained(snap(True, (10, 0), (8, 0),
+                                                                                      "done"), "train")
