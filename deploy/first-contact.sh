@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Before a long run: one request to the served model with thinking on and one with thinking off, printed raw, and
-# the checks that decide whether eagle3q's samples will be right (DESIGN.md / issue "Real vLLM"):
+# the checks that decide whether eagle3q's samples will be right (docs/data-and-formats.md, "Token-exact capture"):
 #   - the </think> id is in token_ids (thinking on) and the reasoning/content split is there;
 #   - content is not null; the generation ends with the end-of-turn id or a reported stop_reason;
 #   - prompt_token_ids and token_ids come back (return_token_ids).

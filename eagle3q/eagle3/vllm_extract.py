@@ -1,5 +1,5 @@
 """Hidden states from the serving engine: a vLLM started with `extract_hidden_states` and the
-`ExampleHiddenStatesConnector` (DESIGN.md, "Hidden states from vLLM"), the path that scales to Kimi-K2.5.
+`ExampleHiddenStatesConnector` (docs/deployment.md, "The GPU hand-off"), the path that scales to Kimi-K2.5.
 
 Per sample: POST `/v1/completions` with the sample's token ids as the prompt, `max_tokens=1`,
 `return_token_ids=true` (speculators' `generate_hidden_states` sends the same); the reply's

@@ -74,6 +74,10 @@ def test_cpu_profile_end_to_end_with_the_gpu_hand_off(compose):  # noqa: ANN001
     c("stop", "vllm-cpu")
     c("--profile", "cpu-extract", "up", "-d", "vllm-cpu-hs", "hidden_states_vllm_cpu", timeout=600)
     assert not c.container_ids("vllm-cpu")  # `ps` lists running containers: generation's engine stays stopped
+    # the extraction server's first contact, on a stored sample (the generation server is stopped by now)
+    ce = c.run("hidden_states_vllm_cpu", "eagle3q", "check-extraction", "--run", RUN, timeout=300)
+    assert "== all checks passed" in ce.stdout and "[FAIL]" not in ce.stdout, ce.stdout
+    assert f"one accepted sample of run {RUN} from the store (greedy)" in ce.stdout
     c.run("producer", "eagle3q", "status", "--run", RUN, "--wait-for", "hidden_states", "--timeout", "600",
           timeout=700)
     timings["extraction"] = time.monotonic() - t0

@@ -103,3 +103,11 @@ def test_store_and_models_volumes_writable_whichever_image_creates_them(compose)
         listing = c("run", "--rm", "-T", "--no-deps", "--entrypoint", "sh", "producer", "-c",
                     "stat -c '%u %n' /store /store/* /models").stdout
         assert all(line.startswith("1000 ") for line in listing.split("\n") if line.strip()), listing
+    # vLLM's GPU images run as root: after volume-init, a file a root container writes into the connector's
+    # directory is still one the hidden-state workers (uid 1000) can delete once read
+    c("--profile", "gpu-extract", "run", "--rm", "-T", "--no-deps", "volume-init")
+    c("run", "--rm", "-T", "--no-deps", "--user", "root", "--entrypoint", "sh", "vllm-cpu", "-c",
+      "touch /store/connector/hs_0.safetensors")
+    r = c("run", "--rm", "-T", "--no-deps", "--entrypoint", "sh", "producer", "-c",
+          "rm /store/connector/hs_0.safetensors && id -u", check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "1000", r.stdout + r.stderr

@@ -44,6 +44,8 @@ def test_every_command_names_something_that_exists():
             assert cmd[1] in cli_commands, (name, cmd)
             if cmd[1] == "worker":
                 assert cmd[2] in ROLES, (name, cmd)
+        elif cmd[0] == "sh" and name == "volume-init":  # a one-shot mkdir/chown before vLLM's root images start
+            assert svc.get("user") == "root" and "chown 1000:1000" in cmd[-1], svc
         elif cmd[0] == "celery":
             import importlib
 
