@@ -22,6 +22,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from eagle3q.contract import ProfileName
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EAGLE3Q_", extra="ignore")
@@ -64,7 +66,7 @@ class Settings(BaseSettings):
     vllm_base_urls: Annotated[list[str], NoDecode] = ["http://localhost:8000/v1"]
     vllm_api_key: SecretStr | None = None
     model: str = "moonshotai/Kimi-K2.5"
-    profile: Literal["kimi_k2", "qwen3", "deepseek_r1"] = "kimi_k2"
+    profile: ProfileName = "kimi_k2"
     thinking: bool = True
     temperature: float = 0.6
     top_p: float = 0.95
@@ -220,8 +222,3 @@ ENV_KEYS: frozenset[str] = frozenset(f"EAGLE3Q_{name.upper()}" for name in Setti
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
-
-
-def reload_settings() -> Settings:
-    get_settings.cache_clear()
-    return get_settings()

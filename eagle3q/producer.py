@@ -11,7 +11,6 @@ target) must not stall; their messages are ids only.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -230,7 +229,3 @@ def resend(app, ledger: Ledger, settings: Settings, path: Path, run: str, datase
                 pending.discard(task.sample_id)
                 n += 1
     return n
-
-
-def bad_rows_json(report: EnqueueReport) -> str:
-    return json.dumps([{"row": b.row, "reason": b.reason} for b in report.bad_rows], indent=1)

@@ -174,11 +174,6 @@ def per_position(rounds: Sequence[Sequence[int]], k: int) -> list[float]:
     return [sum(1 for n in flat if n - 1 > i) / len(flat) if flat else 0.0 for i in range(k)]
 
 
-def acceptance_length(target: TargetRunner, proposer: Proposer, prompts: list[list[int]], k: int,
-                      max_new: int = 48) -> float:
-    return mean_length(acceptance_rounds(target, proposer, prompts, k, max_new))
-
-
 def dataset_prompts(path: Path, tokenizer: str, profile: str, thinking: bool, n: int, stride: int = 1,
                     offset: int = 0) -> list[list[int]]:
     """The first n prompts of a data set (rows with row % stride == offset), rendered by the profile's template and

@@ -15,7 +15,6 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 SCALES_SUFFIX = "_scales"  # aux_hidden_states_scales, hidden_state_scales; the peer writes hidden_states_scales
-HS_DTYPES = ("bf16", "fp8")
 
 
 def quantize(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:

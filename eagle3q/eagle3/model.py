@@ -11,7 +11,7 @@ at inference when it speculates k tokens after position t.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +63,6 @@ class DraftConfig:
             rope_scaling=rope_scaling_of(cfg),
             **NORM_LAYOUTS[norms],
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def norms(self) -> dict[str, bool]:
         return {flag: getattr(self, flag) for flag in NORM_FLAGS}

@@ -273,9 +273,9 @@ def evaluate_files(model: Eagle3Draft, head: TargetHead, paths: list[Path], s: S
     stats = StepStats.zeros(s.ttt_steps)
     rank, world = rank_and_world()
     for path in paths[rank::world]:
-        out = sample_loss(model, head, path, s)
-        if out is not None:
-            stats.add(out[1])
+        scored = sample_loss(model, head, path, s)
+        if scored is not None:
+            stats.add(scored[1])
     model.train(was_training)
     return stats.reduced()
 
@@ -343,11 +343,11 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
         opt.zero_grad(set_to_none=True)
         stats = StepStats.zeros(s.ttt_steps)
         for e in batch[rank::world]:
-            out = sample_loss(model, head, paths[e.sample_id], s)
-            if out is None:
+            scored = sample_loss(model, head, paths[e.sample_id], s)  # (loss, step stats), None for an empty one
+            if scored is None:
                 continue
-            (out[0] / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
-            stats.add(out[1])
+            (scored[0] / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
+            stats.add(scored[1])
         all_reduce_grads(params)  # the sum over ranks: the gradient one process would get on the whole batch
         stats = stats.reduced()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)

@@ -115,11 +115,14 @@ def test_errors_agree(pair: tuple[str, str, str]) -> None:
         "prompt over the context": chat_body(profile, " ".join(["word"] * (2 * MAX_MODEL_LEN))),
         "unknown model": {**chat_body(profile, "hi"), "model": "no-such-model"},
     }
+    compared = 0
     for name, body in cases.items():
         real, sim = both("POST", "/chat/completions", vllm_url, sim_url, json=body)
+        compared += 1
         assert (name, real.status_code) == (name, sim.status_code)
         d = diff(real.json(), sim.json())
         assert not d, name + ":\n" + "\n".join(d)
+    assert compared == 3
 
 
 def test_side_routes_agree(pair: tuple[str, str, str]) -> None:

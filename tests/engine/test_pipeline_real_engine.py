@@ -119,7 +119,9 @@ def test_speculative_outputs_equal_plain_greedy(trained: LocalStack, speculating
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
-    for prompt in heldout_prompts(trained.store, RUN, 4):
+    prompts = heldout_prompts(trained.store, RUN, 4)
+    assert prompts, "the run has no held-out prompt"  # a loop over nothing would pass
+    for prompt in prompts:
         r = httpx.post(f"{speculating.url}/completions", timeout=120, json={
             "model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}).json()

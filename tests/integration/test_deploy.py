@@ -32,6 +32,7 @@ def _env(svc: dict) -> dict:
 
 def test_every_command_names_something_that_exists():
     cli_commands = {c.name or c.callback.__name__.replace("_", "-") for c in cli_app.registered_commands}
+    assert len(SERVICES) > 10 and len(cli_commands) > 5
     for name, svc in SERVICES.items():
         cmd = _cmd(svc)
         if "build" not in svc:  # redis, vLLM: the images' own entry points
@@ -80,6 +81,7 @@ def test_extraction_vllm_and_its_readers():
 
 
 def test_env_keys_match_the_settings():
+    assert sum(1 for svc in SERVICES.values() if any(k.startswith("EAGLE3Q_") for k in _env(svc))) > 10
     for name, svc in SERVICES.items():
         for key in _env(svc):
             # EAGLE3Q_SHAPE_*: the CPU engine's shaping plugin (eagle3q.dev.vllm_shaping), not a setting

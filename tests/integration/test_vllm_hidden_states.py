@@ -152,6 +152,7 @@ def test_states_from_the_wrong_layer_or_shifted_are_rejected_as_inconsistent(sta
                                                                   str(connector), *extra])
         stack.sims.append(proc)  # stopped with the stack
         servers[name] = url
+    assert len(servers) == 3
     for name, url in servers.items():
         worker = stack.worker("hidden_states", EAGLE3Q_HS_VLLM_BASE_URL=url)
         stack.enqueue(SAMPLE_DATASET, name, max_samples=6)

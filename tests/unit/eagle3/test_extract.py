@@ -100,6 +100,7 @@ def test_batched_equals_alone(extractor):  # noqa: ANN001
     seqs = [list(range(10, 10 + n)) for n in (7, 31, 18, 31, 3)]
     alone = [extractor.extract([s])[0] for s in seqs]
     together = extractor.extract(seqs)
+    assert len(together) == len(alone) == 5
     for a, b, s in zip(alone, together, seqs, strict=True):
         assert a.aux.shape == b.aux.shape == (len(s), 3 * extractor.hidden_size)  # no padding kept
         torch.testing.assert_close(a.aux.bfloat16(), b.aux.bfloat16(), atol=2e-2, rtol=2e-2)

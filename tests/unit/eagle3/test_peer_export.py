@@ -53,6 +53,7 @@ def test_specforge_layout_is_post_norm(run_store, tmp_path, tiny):  # noqa: ANN0
     order = json.loads((out / "eagle3q-export.json").read_text())["ids"]
     tensors = load_target_tensors(tiny)
     eps = target_config(tiny)["rms_norm_eps"]
+    assert len(order) == len(run_store.hidden_files("r")) > 0
     for i, sid in enumerate(order):
         ours = load_hidden(run_store.hidden_path("r", sid))
         raw = torch.load(_specforge_file(out, i), weights_only=True)
