@@ -70,7 +70,8 @@ def test_no_test_passes_on_an_empty_loop() -> None:
 
 def test_the_rule_catches_a_loop_over_nothing() -> None:
     bad = ast.parse("def test_x():\n    for r in rows():\n        assert r\n").body[0]
-    good = ast.parse("def test_y():\n    xs = rows()\n    assert len(xs) == 3\n    for r in xs:\n        assert r\n").body[0]
+    good = ast.parse("def test_y():\n    xs = rows()\n    assert len(xs) == 3\n"
+                     "    for r in xs:\n        assert r\n").body[0]
     literal = ast.parse("def test_z():\n    for k in (1, 2):\n        assert f(k)\n").body[0]
     assert _has_unconditional_assert(bad) == (True, False)
     assert _has_unconditional_assert(good) == (True, True) and _has_unconditional_assert(literal) == (True, True)
