@@ -44,7 +44,7 @@ def enqueue(
     from eagle3q.config import get_settings
     from eagle3q.contract import check_run_name
     from eagle3q.eagle3.estimate import estimate_for_run
-    from eagle3q.producer import SettingsError
+    from eagle3q.producer import EnqueueOptions, SettingsError
     from eagle3q.producer import enqueue as do_enqueue
     from eagle3q.sources import DatasetError
 
@@ -58,9 +58,10 @@ def enqueue(
         typer.echo(f"  backlog full ({n_open} of {cap} queued): waiting for prompts to finish", err=True)
 
     try:
-        rep = do_enqueue(make_app(s), _ledger(), s, dataset, run, max_samples, dataset_name, split, resend_pending,
-                         max_prompt_chars, train_target, train_on_drain, max_queued=max_queued, wait=not no_wait,
-                         on_wait=waiting)
+        rep = do_enqueue(make_app(s), _ledger(), s, dataset, run, EnqueueOptions(
+            max_samples=max_samples, dataset_name=dataset_name, split=split, resend_pending=resend_pending,
+            max_prompt_chars=max_prompt_chars, train_target=train_target, train_on_drain=train_on_drain,
+            max_queued=max_queued, wait=not no_wait, on_wait=waiting))
     except (DatasetError, SettingsError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,136 +70,169 @@ def task_for(p: Prompt, run: str, dataset: str, s: Settings, sampling: Sampling)
     )
 
 
-def enqueue(
-    app,  # noqa: ANN001 - the Celery app
-    ledger: Ledger,
-    settings: Settings,
-    dataset_path: Path,
-    run: str,
-    max_samples: int | None = None,
-    dataset_name: str | None = None,
-    split: str = "train",
-    resend_pending: bool = False,
-    max_prompt_chars: int = 200_000,
-    train_target: int | None = None,
-    train_on_drain: bool = False,
-    max_queued: int | None = None,
-    wait: bool = True,
-    poll_s: float = 0.5,
-    on_wait: Callable[[int, int], None] | None = None,
-) -> EnqueueReport:
-    """`on_wait(open, cap)` is called (at most every 30 s) while the producer waits for room in the backlog."""
+@dataclass(frozen=True)
+class EnqueueOptions:
+    """What `eagle3q enqueue` takes beyond the settings. `on_wait(open, cap)` is called (at most every 30 s) while
+    the producer waits for room in the backlog."""
+
+    max_samples: int | None = None
+    dataset_name: str | None = None
+    split: str = "train"
+    resend_pending: bool = False
+    max_prompt_chars: int = 200_000
+    train_target: int | None = None
+    train_on_drain: bool = False
+    max_queued: int | None = None  # None: EAGLE3Q_MAX_QUEUED
+    wait: bool = True
+    poll_s: float = 0.5
+    on_wait: Callable[[int, int], None] | None = None
+
+
+def enqueue(app, ledger: Ledger, settings: Settings, dataset_path: Path, run: str,  # noqa: ANN001 - the Celery app
+            options: EnqueueOptions | None = None, **kw: object) -> EnqueueReport:
+    """rows -> prompts -> duplicates set aside -> tasks -> sent through the bounded backlog; then the run is marked
+    complete (unless the backlog stopped it) and the training trigger checked. `kw`: EnqueueOptions' fields."""
+    opts = options or EnqueueOptions(**kw)  # type: ignore[arg-type]
     if settings.max_tokens > settings.max_tokens_limit:
         raise SettingsError(f"EAGLE3Q_MAX_TOKENS {settings.max_tokens} is over EAGLE3Q_MAX_TOKENS_LIMIT "
-                         f"{settings.max_tokens_limit}: the workers would reject every task")
-    cap = settings.max_queued if max_queued is None else max_queued
-    dataset = dataset_name or dataset_path.name
+                            f"{settings.max_tokens_limit}: the workers would reject every task")
+    dataset = opts.dataset_name or dataset_path.name
     sampling = sampling_of(settings)
     report = EnqueueReport(run=run)
     ledger.set_meta(run, model=settings.model, profile=settings.profile, dataset=dataset, enqueue_complete=0,
-                    train_target=settings.train_target if train_target is None else train_target,
-                    train_on_drain=int(train_on_drain),
-                    started=time.time())
+                    train_target=settings.train_target if opts.train_target is None else opts.train_target,
+                    train_on_drain=int(opts.train_on_drain), started=time.time())
     t0 = time.monotonic()
-    batch: list[InferenceTask] = []
-    batch_size = FIRST_BATCH
-
-    def room() -> int:
-        """How many more prompts the backlog takes now (waiting for some unless wait=False); 0: stop."""
-        if cap <= 0:
-            return BATCH
-        t_wait, last_note = time.monotonic(), 0.0
-        while (free := cap - ledger.open_count(run, INFERENCE.name)) <= 0:
-            if not wait:
-                return 0
-            if on_wait is not None and time.monotonic() - last_note >= 30:
-                last_note = time.monotonic()
-                on_wait(cap - free, cap)
-            time.sleep(poll_s)
-        report.waited_s += time.monotonic() - t_wait
-        return free
-
-    def send(tasks: list[InferenceTask]) -> None:
-        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.control.reconcile).
-        ledger.open_tasks(run, {t.sample_id: t.model_dump_json() for t in tasks})
-        with app.producer_or_acquire() as producer:
-            for t in tasks:
-                send_generate(app, t, producer)
-        # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
-        # instead of leaving ids recorded that were never sent.
-        ledger.add_enqueued(run, [t.sample_id for t in tasks])
-        report.enqueued += len(tasks)
-        if report.first_sent_s is None:
-            report.first_sent_s = time.monotonic() - t0
-
-    def flush() -> None:
-        nonlocal batch_size
-        batch_size = min(BATCH, batch_size * 4)
-        known = ledger.known(run, [t.sample_id for t in batch])
-        fresh = [t for t, k in zip(batch, known, strict=True) if not k]
-        report.skipped_known += len(batch) - len(fresh)
-        batch.clear()
-        while fresh:
-            n = room()
-            if n == 0:
-                report.stopped_full = True
-                return
-            send(fresh[:n])
-            fresh = fresh[n:]
-
-    # Exact duplicate prompts (eagle3q.prompt_keys): at temperature 0 the same prompt gives the same completion, so
-    # only its first row is generated; each repeat ends at once as rejected `duplicate_prompt` in the inference stage
-    # (every prompt in exactly one place: the counts still add up) and the ledger names the row it repeats. Sampling,
-    # each repeat is more data and is sent. Either way the split keeps repeats on one side. One 32-hex digest a
-    # prompt in memory (~100 B: 10 MB for 100k prompts); ids need none (they include the row, and Redis answers
-    # "already known").
-    first_of: dict[str, str] = {}
-    greedy = sampling.temperature == 0
+    sender = ThrottledSender(app, ledger, run, settings.max_queued if opts.max_queued is None else opts.max_queued,
+                             opts, report, t0)
+    duplicates = Duplicates(sampling.temperature == 0, report)
     store = Store(settings.store_dir)
-    for item in iter_prompts(dataset_path, max_prompt_chars=max_prompt_chars, split=split):
-        if isinstance(item, BadRow):
-            report.bad_rows.append(item)
+    for prompt in _prompts(dataset_path, opts, report):
+        task = task_for(prompt, run, dataset, settings, sampling)
+        original = duplicates.skip(prompt)
+        if original is not None:
+            if not ledger.known(run, [task.sample_id])[0]:
+                reject_duplicate(store, ledger, task, original)
             continue
-        if max_samples is not None and report.prompts >= max_samples:
+        if not sender.add(task):
             break
-        report.prompts += 1
-        key, where = prompt_key(item.messages), f"{item.row}:{item.turn}"
-        if key in first_of:
-            report.duplicate_prompts += 1
-            if greedy:
-                report.skipped_duplicates[where] = first_of[key]
-                dup = task_for(item, run, dataset, settings, sampling)
-                if not ledger.known(run, [dup.sample_id])[0]:
-                    reject_duplicate(store, ledger, dup, first_of[key])
-                continue
-        else:
-            first_of[key] = where
-        batch.append(task_for(item, run, dataset, settings, sampling))
-        if len(batch) >= batch_size:
-            flush()
-            if report.stopped_full:
-                break
-    if batch and not report.stopped_full:
-        flush()
+    sender.flush()
     ledger.record_skipped_duplicates(run, report.skipped_duplicates)
     ledger.set_meta(run, duplicate_prompts=report.duplicate_prompts,
                     skipped_duplicates=len(report.skipped_duplicates))
-    if report.stopped_full:
-        # Not the end of the data set: the run is not complete (it cannot drain) until a later call gets there.
-        ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})
-        report.seconds = time.monotonic() - t0
-        return report
-
-    if resend_pending:
-        report.resent_pending = resend(app, ledger, settings, dataset_path, run, dataset, split, max_prompt_chars)
-
+    # A backlog that stopped the producer is not the end of the data set: the run cannot drain until a later call
+    # gets there, so it is neither re-sent nor marked complete.
+    if opts.resend_pending and not report.stopped_full:
+        report.resent_pending = resend(app, ledger, settings, dataset_path, run, dataset, opts.split,
+                                       opts.max_prompt_chars)
     ledger.record_bad_rows(run, {b.row: b.reason for b in report.bad_rows})
-    ledger.set_meta(run, enqueue_complete=1, bad_rows=len(report.bad_rows))
-    # Every task may have finished before this point (fast workers, a re-run of a drained run): check the trigger.
-    if ledger.maybe_fire_train(run):
-        send_train(app, run)
+    if not report.stopped_full:
+        ledger.set_meta(run, enqueue_complete=1, bad_rows=len(report.bad_rows))
+        # Every task may have finished before this point (fast workers, a re-run of a drained run): check the trigger.
+        if ledger.maybe_fire_train(run):
+            send_train(app, run)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _prompts(path: Path, opts: EnqueueOptions, report: EnqueueReport) -> Iterator[Prompt]:
+    """The data set's prompts (one a turn to generate), up to `max_samples`; bad rows go to the report."""
+    for item in iter_prompts(path, max_prompt_chars=opts.max_prompt_chars, split=opts.split):
+        if isinstance(item, BadRow):
+            report.bad_rows.append(item)
+            continue
+        if opts.max_samples is not None and report.prompts >= opts.max_samples:
+            return
+        report.prompts += 1
+        yield item
+
+
+class Duplicates:
+    """Exact duplicate prompts (eagle3q.prompt_keys): at temperature 0 the same prompt gives the same completion, so
+    only its first row is generated; each repeat ends at once as rejected `duplicate_prompt` in the inference stage
+    (every prompt in exactly one place: the counts still add up) and the ledger names the row it repeats. Sampling,
+    each repeat is more data and is sent. Either way the split keeps repeats on one side. One 32-hex digest a
+    prompt in memory (~100 B: 10 MB for 100k prompts); ids need none (they include the row, and Redis answers
+    "already known")."""
+
+    def __init__(self, greedy: bool, report: EnqueueReport):
+        self.greedy, self.report = greedy, report
+        self.first_of: dict[str, str] = {}
+
+    def skip(self, prompt: Prompt) -> str | None:
+        """The "row:turn" this prompt repeats when it is not to be sent, else None."""
+        key, where = prompt_key(prompt.messages), f"{prompt.row}:{prompt.turn}"
+        original = self.first_of.setdefault(key, where)
+        if original == where:
+            return None
+        self.report.duplicate_prompts += 1
+        if not self.greedy:
+            return None
+        self.report.skipped_duplicates[where] = original
+        return original
+
+
+class ThrottledSender:
+    """Tasks in batches growing from FIRST_BATCH to BATCH, ids the ledger already knows dropped, sent only while
+    the run's backlog has room (at most `cap` prompts open in the inference stage; 0: no cap). `add` returns False
+    once the backlog is full and `wait` is off: the report says `stopped_full`, and a re-run continues."""
+
+    def __init__(self, app, ledger: Ledger, run: str, cap: int, opts: EnqueueOptions,  # noqa: ANN001
+                 report: EnqueueReport, t0: float):
+        self.app, self.ledger, self.run, self.cap, self.opts, self.report, self.t0 = (
+            app, ledger, run, cap, opts, report, t0)
+        self.batch: list[InferenceTask] = []
+        self.batch_size = FIRST_BATCH
+
+    def add(self, task: InferenceTask) -> bool:
+        self.batch.append(task)
+        if len(self.batch) >= self.batch_size:
+            self.flush()
+        return not self.report.stopped_full
+
+    def flush(self) -> None:
+        if not self.batch or self.report.stopped_full:
+            return
+        self.batch_size = min(BATCH, self.batch_size * 4)
+        known = self.ledger.known(self.run, [t.sample_id for t in self.batch])
+        fresh = [t for t, k in zip(self.batch, known, strict=True) if not k]
+        self.report.skipped_known += len(self.batch) - len(fresh)
+        self.batch = []
+        while fresh:
+            n = self.room()
+            if n == 0:
+                self.report.stopped_full = True
+                return
+            self.send(fresh[:n])
+            fresh = fresh[n:]
+
+    def room(self) -> int:
+        """How many more prompts the backlog takes now (waiting for some unless wait=False); 0: stop."""
+        if self.cap <= 0:
+            return BATCH
+        t_wait, last_note = time.monotonic(), 0.0
+        while (free := self.cap - self.ledger.open_count(self.run, INFERENCE.name)) <= 0:
+            if not self.opts.wait:
+                return 0
+            if self.opts.on_wait is not None and time.monotonic() - last_note >= 30:
+                last_note = time.monotonic()
+                self.opts.on_wait(self.cap - free, self.cap)
+            time.sleep(self.opts.poll_s)
+        self.report.waited_s += time.monotonic() - t_wait
+        return free
+
+    def send(self, tasks: list[InferenceTask]) -> None:
+        # Payloads first: a message the broker loses after this point can be sent again (eagle3q.control.reconcile).
+        self.ledger.open_tasks(self.run, {t.sample_id: t.model_dump_json() for t in tasks})
+        with self.app.producer_or_acquire() as producer:
+            for t in tasks:
+                send_generate(self.app, t, producer)
+        # Recorded after sending: a crash in between re-sends on the next run (harmless, tasks are idempotent)
+        # instead of leaving ids recorded that were never sent.
+        self.ledger.add_enqueued(self.run, [t.sample_id for t in tasks])
+        self.report.enqueued += len(tasks)
+        if self.report.first_sent_s is None:
+            self.report.first_sent_s = time.monotonic() - self.t0
 
 
 def reject_duplicate(store: Store, ledger: Ledger, task: InferenceTask, original: str) -> None:

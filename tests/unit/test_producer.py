@@ -78,3 +78,24 @@ def test_max_tokens_over_the_limit_is_refused_before_sending(redis_server, ledge
     with pytest.raises(SettingsError, match="EAGLE3Q_MAX_TOKENS_LIMIT"):
         enqueue(make_app(s), ledger, s, SAMPLE_DATASET, "big", max_samples=2)
     assert not ledger.run_exists("big")
+
+
+def test_the_steps_alone_prompts_and_duplicates(tmp_path, write_jsonl):  # noqa: ANN001
+    """rows -> prompts (bad rows reported, max_samples) and the duplicate step (greedy: a repeat is set aside with
+    the row it repeats; sampled: counted and sent), without Redis or Celery."""
+    from eagle3q.producer import Duplicates, EnqueueOptions, EnqueueReport, _prompts
+    from eagle3q.sources import Prompt
+
+    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "a"}]}
+            for q in ("one", "two", "one", "three")]
+    data = write_jsonl(tmp_path / "d.jsonl", [rows[0], "{not json", rows[1], rows[2], rows[3]])
+    report = EnqueueReport(run="r")
+    prompts = list(_prompts(data, EnqueueOptions(max_samples=3), report))
+    assert [p.row for p in prompts] == [0, 2, 3] and report.prompts == 3
+    assert [b.row for b in report.bad_rows] == [1]
+    for greedy, skipped in ((True, [None, None, "0:0"]), (False, [None, None, None])):
+        rep = EnqueueReport(run="r")
+        dup = Duplicates(greedy, rep)
+        assert [dup.skip(p) for p in prompts] == skipped and rep.duplicate_prompts == 1
+        assert rep.skipped_duplicates == ({"3:0": "0:0"} if greedy else {})
+    assert all(isinstance(p, Prompt) for p in prompts)
