@@ -44,13 +44,14 @@ class ShapedGreedy:
         return output_lengths(",".join(map(str, prompt)), self.mean_tokens)
 
     def thinking_off(self, prompt: Sequence[int]) -> bool:
-        """The generation prompt holds a closed reasoning block after its last `<think>` (Kimi-K2.5's
-        `<think></think>`, Qwen3's `<think>\n\n</think>`): thinking is off for this request."""
-        ids = list(prompt)
-        if self.open_id not in ids:
+        """The generation prompt ends in a closed, empty reasoning block (Kimi-K2.5's `<think></think>`, Qwen3's
+        `<think>\n\n</think>\n\n`): thinking is off for this request. Only the prompt's last tokens count: an
+        earlier turn's closed block in the history says nothing about this one."""
+        tail = list(prompt)[-4:]
+        if self.close_id not in tail:
             return False
-        last_open = len(ids) - 1 - ids[::-1].index(self.open_id)
-        return self.close_id in ids[last_open:]
+        close = len(tail) - 1 - tail[::-1].index(self.close_id)
+        return self.open_id not in tail[close:]
 
     def forced(self, prompt: Sequence[int], out: Sequence[int]) -> int | None:
         """The token this position must be, or None where the model chooses (greedy, `suppressed` masked)."""

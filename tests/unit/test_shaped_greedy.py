@@ -35,6 +35,8 @@ def test_thinking_off_answers_without_markers() -> None:
         prompt = [10, 11, 1, 2]
         assert rule.thinking_off(prompt) and not rule.thinking_off([10, 11, 1]) and not rule.thinking_off([10])
         assert not rule.thinking_off([1, 2, 5, 1])  # an earlier closed block, then a new one opened: thinking on
+        assert not rule.thinking_off([1, 9, 2, 20, 21, 22, 23, 24])  # a closed block in the history: on
+        assert rule.thinking_off([20, 1, 9, 9, 2, 9, 9])  # Qwen3's `<think>\n\n</think>\n\n`
         _, n_answer = rule.lengths(prompt)
         assert _walk(rule, prompt) == [*[None] * n_answer, 3]
 
