@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +132,7 @@ class Compose:
             self.exec(via, "eagle3q", "status", "--run", run, "--json")
         return json.loads(r.stdout[r.stdout.index("{"):])
 
-    def wait(self, run: str, done: callable, timeout_s: float, what: str, via: str = "producer",  # noqa: ANN001
+    def wait(self, run: str, done: Callable[[dict], bool], timeout_s: float, what: str, via: str = "producer",
              every_s: float = 2.0) -> dict:
         """Poll `status` until `done(snapshot)`; on time-out, raise with the snapshot and the services' logs."""
         deadline = time.monotonic() + timeout_s

@@ -265,7 +265,7 @@ def test_every_image_is_a_variable_with_a_public_default():
         text = dockerfile.read_text()
         froms = re.findall(r"^FROM (\S+)", text, re.M)
         assert froms and all(f.startswith("${") for f in froms), dockerfile  # FROM an ARG, never a fixed image
-        assert "USER eagle3q" in text and "chown eagle3q /store /models" in text, dockerfile  # uid 1000, owns both
+        assert "USER 1000" in text and "chown 1000 /store /models" in text, dockerfile  # uid 1000, owns both
         # the CA bundle only as a secret mount, never copied or set as a path into a layer
         assert "ca-certificates.crt" not in text and "ENV PIP_CERT" not in text, dockerfile
 
