@@ -195,9 +195,13 @@ def render(snap: dict) -> Group:
     return Group(*parts)
 
 
+def _console() -> Console:
+    """Piped output (CI logs, files) gets a wide table instead of rich's 80-column default."""
+    return Console(width=None if sys.stdout.isatty() else 140)
+
+
 def show(ledger: Ledger, run: str, watch: bool = False, every_s: float = 2.0, console: Console | None = None) -> None:
-    # Piped output (CI logs, files) gets a wide table instead of rich's 80-column default.
-    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    console = console or _console()
     if not watch:
         console.print(render(snapshot(ledger, run)))
         return
@@ -209,7 +213,7 @@ def show(ledger: Ledger, run: str, watch: bool = False, every_s: float = 2.0, co
             live.update(render(snapshot(ledger, run)))
 
 
-WAITABLE = (INFERENCE.name, HIDDEN_STATES.name, "train")
+WAITABLE = (*STAGES, "train")
 
 
 def drained(snap: dict, stage: str) -> bool:
@@ -220,8 +224,7 @@ def drained(snap: dict, stage: str) -> bool:
         return snap["train"].get("state") == "done"
     if str(snap["meta"].get("enqueue_complete")) != "1":
         return False
-    order = [INFERENCE.name, HIDDEN_STATES.name]
-    for name in order[: order.index(stage) + 1]:
+    for name in STAGES[: STAGES.index(stage) + 1]:
         st = snap["stages"][name]
         if st["pending"] or not st["incoming"]:
             return False
@@ -232,7 +235,7 @@ def wait_for(ledger: Ledger, run: str, stage: str, timeout_s: float = 0, every_s
              console: Console | None = None) -> int:
     """Block until `drained(stage)`, printing one progress line a minute; 0 when drained, 1 on training failure
     or time-out (`timeout_s` > 0), with the status table."""
-    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    console = console or _console()
     t0, last = time.monotonic(), 0.0
     while True:
         snap = snapshot(ledger, run)
