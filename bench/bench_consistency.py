@@ -12,7 +12,8 @@ from common import report, workdir
 from safetensors.torch import save_file
 
 from eagle3q.eagle3.consistency import ConsistencyCheck
-from eagle3q.eagle3.extract import Extracted, write_hidden
+from eagle3q.eagle3.extract import Extracted, to_safetensors
+from eagle3q.store import Store
 
 VOCAB, HIDDEN, TOKENS, PROMPT = 163_840, 7_168, 3_000, 200
 
@@ -42,8 +43,9 @@ def main() -> dict:
         return (time.monotonic() - t0) / n
 
     c = timed(lambda: check.agreement("s", ids, mask, final, "pre_norm"))
-    w = timed(lambda: write_hidden(base / "sample.safetensors", ids, mask, ex, {"final_state": "pre_norm"}))
-    size = (base / "sample.safetensors").stat().st_size
+    store = Store(base / "store")
+    w = timed(lambda: store.write_hidden("c", "s", to_safetensors(ids, mask, ex, {"final_state": "pre_norm"})))
+    size = len(store.hidden_bytes("c", "s"))
     report(f"consistency check, Kimi-K2.5 head ({VOCAB} x {HIDDEN} bf16), {TOKENS}-token sample, "
            f"{torch.get_num_threads()} threads", [
         ("check (32 positions x 3 offsets through norm + head)", f"{c * 1000:.0f} ms"),

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from common import report, workdir
 
-from eagle3q.eagle3.extract import Extracted, read_hidden, to_safetensors, write_hidden
-from eagle3q.eagle3.fp8 import dequantize, quantize
+from eagle3q.eagle3.extract import Extracted, to_safetensors
+from eagle3q.store import Store
+from eagle3q.store.fp8 import dequantize, quantize
 
 DTYPES = ("bf16", "fp8")
 
@@ -41,15 +42,15 @@ def storage(base: Path, tokens: int = 1000) -> dict:
     ex = _kimi_like(tokens)
     ids, mask = list(range(tokens)), [0] * 100 + [1] * (tokens - 100)
     out: dict = {}
+    store = Store(base / "kimi-store")
     for d in DTYPES:
-        path = base / f"kimi-{d}.safetensors"
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            n = write_hidden(path, ids, mask, ex, {"final_state": "pre_norm"}, d)
+            n = store.write_hidden("kimi", d, to_safetensors(ids, mask, ex, {"final_state": "pre_norm"}, d))
             times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        t, _ = read_hidden(path)  # and to float32, as training's load_batch does: bf16's cost is there
+        t, _ = store.read_hidden("kimi", d)  # and to float32, as training's load_batch does: bf16's cost is there
         _ = [t[k].float() for k in ("aux_hidden_states", "hidden_state")]
         out[d] = {"bytes_per_token": n / tokens, "write_s": min(times), "read_s": time.perf_counter() - t0}
     return out
@@ -114,19 +115,14 @@ def _pipeline_store(base: Path, tiny: Path, run: str) -> Path:
 
 def _fp8_copy(src: Path, dst: Path, run: str) -> None:
     """The same run with every hidden-state file in fp8, quantized from the same bf16 tensors an fp8 worker would."""
-    from safetensors import safe_open
-
-    from eagle3q.store import Store
-
     shutil.copytree(src, dst)
+    shutil.rmtree(dst / run / "train", ignore_errors=True)  # a copy of a local store: its run's artifacts go
     store = Store(dst)
-    shutil.rmtree(store.train_dir(run), ignore_errors=True)
-    for path in store.hidden_files(run):
-        t, _ = read_hidden(path)
-        with safe_open(str(path), framework="pt") as f:
-            meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "hs_dtype"}
-        write_hidden(path, t["input_ids"].tolist(), t["loss_mask"].tolist(),
-                     Extracted(t["aux_hidden_states"], t["hidden_state"]), meta, "fp8")
+    for sid in store.hidden_ids(run):
+        t, _ = store.read_hidden(run, sid)
+        meta = {k: json.loads(v) for k, v in store.hidden_header(run, sid).metadata.items() if k != "hs_dtype"}
+        store.write_hidden(run, sid, to_safetensors(t["input_ids"].tolist(), t["loss_mask"].tolist(),
+                                                    Extracted(t["aux_hidden_states"], t["hidden_state"]), meta, "fp8"))
 
 
 def acceptance(base: Path, tiny: Path, engine: str) -> dict:
@@ -148,26 +144,26 @@ def acceptance(base: Path, tiny: Path, engine: str) -> dict:
     for d, root in stores.items():
         store = Store(root)
         m = load_or_create(store, run, s.val_fraction)
-        paths = {e.sample_id: store.hidden_path(run, e.sample_id) for e in (*m.train, *m.val)}
-        export = base / f"train-{d}"
+        ids = [e.sample_id for e in (*m.train, *m.val)]
         t0 = time.monotonic()
-        result = train_draft(m, paths, s, export, str(tiny), lambda **_: None, log_every=10**6)
+        result = train_draft(m, store, s, str(tiny), lambda **_: None, log_every=10**6)
+        export = Path(result.export_dir)  # a local store: the export's own directory
         prompts = prompts or heldout_prompts(store, run, 32)
-        table = acceptance_table(str(tiny), str(export / "export"), prompts, store, run, max_new=64)
+        table = acceptance_table(str(tiny), str(export), prompts, store, run, max_new=64)
         if engine == "vllm":
             from eagle3q.dev.vllm_engine import eagle3_args, start_engine
             from eagle3q.eagle3.served_eval import served_acceptance
 
             table["vllm"] = {}
             for k in SERVED_KS:
-                e = start_engine(tiny, base / "vllm", "moonshotai/Kimi-K2.5", eagle3_args(export / "export", k),
+                e = start_engine(tiny, base / "vllm", "moonshotai/Kimi-K2.5", eagle3_args(export, k),
                                  max_num_seqs=4, max_model_len=4096)
                 try:
                     table["vllm"][k] = served_acceptance(e.url, e.model, prompts, 64).mean_length
                 finally:
                     e.stop()
-        bytes_ = sum(p.stat().st_size for p in paths.values())
-        out[d] = {"table": table, "train_s": time.monotonic() - t0, "samples": len(paths), "bytes": bytes_,
+        bytes_ = sum(len(store.hidden_bytes(run, sid)) for sid in ids)
+        out[d] = {"table": table, "train_s": time.monotonic() - t0, "samples": len(ids), "bytes": bytes_,
                   "loss": result.final_loss, "heldout": len(prompts)}
     return out
 

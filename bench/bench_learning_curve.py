@@ -91,8 +91,9 @@ def prompt_pool(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[Promp
 def link_prefix(store: Store, pool_run: str, run: str, ids: list[str]) -> None:
     """A run of the first len(ids) samples of the pool (hard links: no copies)."""
     for sid in ids:
-        for src, dst in ((store.hidden_path(pool_run, sid), store.hidden_path(run, sid)),
-                         (store.sample_path(pool_run, sid), store.sample_path(run, sid))):
+        paths = store.blobs.path  # a local store (the bench builds it)
+        for src, dst in ((paths(store.hidden_key(pool_run, sid)), paths(store.hidden_key(run, sid))),
+                         (paths(store.sample_key(pool_run, sid)), paths(store.sample_key(run, sid)))):
             dst.parent.mkdir(parents=True, exist_ok=True)
             if not dst.exists():
                 os.link(src, dst)

@@ -5,7 +5,6 @@ time from the training trigger to the exported draft in a real pipeline (workers
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -14,14 +13,15 @@ import torch
 from common import report, workdir
 
 from eagle3q.config import Settings
-from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
+from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
 from eagle3q.eagle3.manifest import load_or_create
 from eagle3q.eagle3.training import TargetHead, load_batch, make_model, plan_epoch, train_draft, ttt_loss
 from eagle3q.eagle3.vocab import build_vocab
 from eagle3q.store import Store
+from eagle3q.store.run_store import EXPORT, RESULT, VOCAB
 
 
-def _hidden_run(base: Path, n: int) -> tuple[Store, str]:
+def hidden_run(base: Path, n: int) -> tuple[Store, str]:
     """n samples of 200-600 tokens with the target's hidden states (Llama H=256 x 8 layers, vocab 8000)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,31 +33,31 @@ def _hidden_run(base: Path, n: int) -> tuple[Store, str]:
     store, rng = Store(base / "store"), random.Random(0)
     for i in range(n):
         ids = [rng.randrange(8000) for _ in range(rng.randint(200, 600))]
-        write_hidden(store.hidden_path("b", f"{i:032x}"), ids, [0] * 50 + [1] * (len(ids) - 50),
-                     ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state,
-                                            "dataset": "bench", "row": i})
+        store.write_hidden("b", f"{i:032x}", to_safetensors(
+            ids, [0] * 50 + [1] * (len(ids) - 50), ex.extract([ids])[0],
+            {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state, "dataset": "bench", "row": i}))
     return store, str(base / "target")
 
 
 def throughput(base: Path) -> dict:
-    store, target = _hidden_run(base, 32)
+    store, target = hidden_run(base, 32)
     s = Settings(target_model=target, draft_vocab_size=2048, epochs=1, train_batch_tokens=4096, val_fraction=0.0,
                  checkpoint_every=10**6)
     m = load_or_create(store, "b", 0.0)
-    paths = {e.sample_id: store.hidden_path("b", e.sample_id) for e in m.train}
+    ids = [e.sample_id for e in m.train]
     tokens = sum(e.tokens for e in m.train)
 
     def ours() -> float:
-        out = base / f"train-{time.monotonic_ns()}"
+        store.delete_artifact("b", VOCAB)  # each run builds its vocabulary, as a first trainer does
         t0 = time.monotonic()
-        train_draft(m, paths, s, out, target, lambda **_: None, log_every=10**6)
+        train_draft(m, store, s, target, lambda **_: None, log_every=10**6)
         return tokens / (time.monotonic() - t0)
 
     # The bare loop: the same draft, batches and TTT steps, inputs and target distributions precomputed in memory.
     model, cfg, tensors = make_model(s, target)
-    _, t2d, _ = build_vocab(list(paths.values()), cfg.vocab_size, cfg.draft_vocab_size, base / "vocab.safetensors")
+    _, t2d, _ = build_vocab(store, "b", ids, cfg.vocab_size, cfg.draft_vocab_size)
     head = TargetHead(tensors, t2d, cfg.rms_norm_eps)
-    loaded = {sid: load_batch(p, s.max_len) for sid, p in paths.items()}
+    loaded = {sid: load_batch(store.hidden_bytes("b", sid), s.max_len) for sid in ids}
     prepared = {sid: (b, *head(b)) for sid, b in loaded.items()}
     batches = plan_epoch(m.train, s.train_batch_tokens, s.seed, 0)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -97,8 +97,8 @@ def trigger_to_export(base: Path) -> tuple[float, int]:
         while st.ledger.train_progress("t2e").get("state") != "done" and time.monotonic() < deadline:
             time.sleep(0.2)
         fired = st.ledger.train_fired_at("t2e")
-        export = st.store.train_dir("t2e") / "export" / "model.safetensors"
-        result = json.loads((st.store.train_dir("t2e") / "result.json").read_text())
+        export = st.store.blobs.path(st.store.artifact_key("t2e", f"{EXPORT}/model.safetensors"))  # a local store
+        result = st.store.get_json("t2e", RESULT)
         return export.stat().st_mtime - fired, result["steps"]
     finally:
         st.close()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import typer
@@ -223,16 +225,17 @@ def vocab(
     from eagle3q.eagle3.target import target_config
     from eagle3q.eagle3.vocab import build_vocab
     from eagle3q.store import Store
+    from eagle3q.store.run_store import VOCAB
 
     s = get_settings()
-    store = Store(s.store_dir)
+    store = Store.from_settings(s)
     cfg = target_config(s.target_model)
-    out = store.train_dir(run) / "vocab.safetensors"
-    out.unlink(missing_ok=True)
+    store.delete_artifact(run, VOCAB)
     manifest = load_or_create(store, run, s.val_fraction)  # the training split only, as the trainer builds it
-    d2t, t2d, cov = build_vocab([store.hidden_path(run, e.sample_id) for e in manifest.train],
-                                int(cfg["vocab_size"]), draft_vocab_size or s.draft_vocab_size, out)
-    typer.echo(f"{out}: draft vocab {d2t.numel()} of {t2d.numel()} covers {100 * cov:.2f}% of loss tokens")
+    d2t, t2d, cov = build_vocab(store, run, [e.sample_id for e in manifest.train], int(cfg["vocab_size"]),
+                                draft_vocab_size or s.draft_vocab_size)
+    typer.echo(f"{store.artifact_url(run, VOCAB)}: draft vocab {d2t.numel()} of {t2d.numel()} covers "
+               f"{100 * cov:.2f}% of loss tokens")
 
 
 @app.command()
@@ -246,7 +249,28 @@ def train(run: str = typer.Option("default")) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = get_settings()
-    typer.echo(train_run(run, s, Store(s.store_dir), _ledger()).summary())
+    typer.echo(train_run(run, s, Store.from_settings(s), _ledger()).summary())
+
+
+@app.command("fetch-export")
+def fetch_export(
+    dest: Path = typer.Argument(..., help="the directory to write the draft to (what vLLM's --speculative-config "
+                                          "'{\"model\": DEST}' reads)"),
+    run: str = typer.Option("default"),
+) -> None:
+    """Copy a run's exported draft (config.json, model.safetensors) from the store, a directory or a bucket, to a
+    local directory."""
+    from eagle3q.config import get_settings
+    from eagle3q.store import Store
+    from eagle3q.store.run_store import EXPORT
+
+    store = Store.from_settings(get_settings())
+    try:
+        store.fetch_dir(run, EXPORT, dest)
+    except FileNotFoundError:
+        typer.echo(f"error: run {run} has no export in {store.url} (not trained yet?)", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{dest}: the draft of run {run}, from {store.artifact_url(run, EXPORT)}")
 
 
 @app.command("eval-draft")
@@ -272,7 +296,6 @@ def eval_draft(
     table (the baseline to beat) and the ceiling k+1, on the run's held-out prompts and on out-of-domain prompts by
     category; the acceptance by draft position as a PNG. With --server, the same prompts through vLLM's engine
     speculating with the export, and the acceptance it reports."""
-    import json
 
     from eagle3q.config import get_settings
     from eagle3q.eagle3.evaluate import (
@@ -287,13 +310,20 @@ def eval_draft(
         heldout_prompts,
         ood_prompt_sets,
         plot_positions,
+        save_report,
         with_ood,
     )
-    from eagle3q.store import Store, write_atomic
+    from eagle3q.store import Store
+    from eagle3q.store.run_store import EXPORT
 
     s = get_settings()
-    store = Store(s.store_dir)
-    export_dir = str(export or store.train_dir(run) / "export")
+    store = Store.from_settings(s)
+    scratch = Path(tempfile.mkdtemp(prefix="eagle3q-eval-"))
+    try:
+        export_dir = str(export or store.local_dir(run, EXPORT, scratch / "export"))
+    except FileNotFoundError:
+        typer.echo(f"error: run {run} has no export in {store.url} (not trained yet?)", err=True)
+        raise typer.Exit(2) from None
     if dataset is not None:
         ids = dataset_prompts(dataset, s.tokenizer or s.target_model, s.profile, s.thinking, prompts)
     else:
@@ -341,13 +371,12 @@ def eval_draft(
     if len(order) > 1:
         typer.echo("\nby prompt set (mean acceptance length; margin: trained - bigram):")
         typer.echo(format_sets(results, order, served_means or None, served_k))
-    where = out or store.train_dir(run) / "eval"
-    where.mkdir(parents=True, exist_ok=True)
     report = {"max_new": max_new, "held_out_table": table, "sets": {n: results[n].__dict__ for n in order},
               "served": {"k": served_k, "mean": served_means, "per_position": served_pos} if server else None}
-    write_atomic(where / "eval.json", json.dumps(report, indent=1).encode())
-    png = plot_positions(results, where / "acceptance_by_position.png", served_pos)
-    typer.echo(f"figures: {where / 'eval.json'}" + (f", {png}" if png else " (no plot: matplotlib not installed)"))
+    png = plot_positions(results, served_pos)
+    shutil.rmtree(scratch, ignore_errors=True)
+    where = save_report(store, run, report, png, out)
+    typer.echo(f"figures: {', '.join(where)}" + ("" if png else " (no plot: matplotlib not installed)"))
 
 
 @app.command("export-data")
@@ -365,7 +394,7 @@ def export_data_cmd(
 
     s = get_settings()
     try:
-        rep = export_data(Store(s.store_dir), run, fmt, out_dir, s.target_model, val_fraction=s.val_fraction,
+        rep = export_data(Store.from_settings(s), run, fmt, out_dir, s.target_model, val_fraction=s.val_fraction,
                           draft_vocab_size=s.draft_vocab_size)
     except ExportError as e:
         typer.echo(f"error: {e}", err=True)

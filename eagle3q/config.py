@@ -58,8 +58,16 @@ class Settings(BaseSettings):
     # its registered payload) and the inference queue under `reconcile_scan_limit`. 0: no cap.
     max_queued: int = 5000
 
-    # --- store ---
+    # --- store (eagle3q.store) ---
+    # Where a run's artifacts live: a local path (a directory on this machine, or a mount every worker shares) or
+    # s3://bucket/prefix on an S3-compatible object store (workers on machines that share no disk). Empty: store_dir.
+    # S3 credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN).
+    store_url: str = ""
     store_dir: Path = Path("var/store")
+    s3_endpoint: str = ""  # e.g. http://minio:9000 (MinIO, Ceph RGW, moto); empty: AWS itself, or AWS_ENDPOINT_URL
+    s3_region: str = "us-east-1"
+    store_timeout_s: float = 60.0  # one store request
+    store_retries: int = 3  # the client's retries of one request before the stage's own retry (StoreError) takes over
 
     # --- vLLM ---
     # Comma-separated in the environment (or a JSON list).
@@ -140,6 +148,9 @@ class Settings(BaseSettings):
     grad_clip: float = 0.5
     max_len: int = 4096
     checkpoint_every: int = 200
+    # Samples the trainer fetches ahead of the one it is on (threads reading the store while the model computes): on
+    # an object store each sample is a round trip, and without this the trainer would wait for every one.
+    train_read_ahead: int = 16
     init_lm_head: bool = True  # the draft's LM head and final norm start as the target's (draft-vocab rows)
     # The draft's norms (eagle3q.eagle3.model.NORM_LAYOUTS): speculators' three (an RMSNorm over the aux states
     # before fc, the hidden state normed before the residual, the next TTT step fed the normed output), which vLLM
@@ -197,6 +208,10 @@ class Settings(BaseSettings):
                 raise FileNotFoundError(f"EAGLE3Q_CONFIG points to {path!r}, which is not a file")
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    def store_location(self) -> str:
+        """EAGLE3Q_STORE_URL, or the local EAGLE3Q_STORE_DIR."""
+        return self.store_url or str(self.store_dir)
 
     def broker_url(self) -> str:
         """The Redis URL with the password put in (for Celery and redis-py). Never log this; log `redacted_url`."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 log = logging.getLogger("eagle3q.plots")
 
@@ -24,22 +23,17 @@ def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, or None
     return plt
 
 
-def _save(fig, out: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+def _png(fig) -> bytes:  # noqa: ANN001 - a matplotlib Figure
     import io
-
-    from eagle3q.store import write_atomic
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, buf.getvalue())
-    return out
+    return buf.getvalue()
 
 
-def training_curves(epochs: Sequence[Mapping], step_losses: Sequence[float], out: Path,
-                    first_step: int = 1) -> Path | None:
+def training_curves(epochs: Sequence[Mapping], step_losses: Sequence[float], first_step: int = 1) -> bytes | None:
     """Loss per step (this trainer's steps) and, per epoch, the training and held-out loss and the top-1 accuracy
-    of each TTT step (from the epoch records, which survive a resume). None without matplotlib."""
+    of each TTT step (from the epoch records, which survive a resume), as PNG bytes. None without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -63,14 +57,15 @@ def training_curves(epochs: Sequence[Mapping], step_losses: Sequence[float], out
     for ax in (ax_ep, ax_acc):
         if ax.lines:
             ax.legend(fontsize=7)
-    path = _save(fig, out)
+    png = _png(fig)
     plt.close(fig)
-    return path
+    return png
 
 
-def acceptance_by_position(series: Mapping[str, Sequence[float]], out: Path, title: str) -> Path | None:
+def acceptance_by_position(series: Mapping[str, Sequence[float]], title: str) -> bytes | None:
     """One line per series: the share of drafting rounds whose draft at position i (1-based) was accepted, i.e. the
-    first i drafts all matched (vLLM's per-position counter over its drafts). None without matplotlib."""
+    first i drafts all matched (vLLM's per-position counter over its drafts), as PNG bytes. None without
+    matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -81,6 +76,6 @@ def acceptance_by_position(series: Mapping[str, Sequence[float]], out: Path, tit
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = _save(fig, out)
+    png = _png(fig)
     plt.close(fig)
-    return path
+    return png

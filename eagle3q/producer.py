@@ -96,6 +96,8 @@ def enqueue(app, ledger: Ledger, settings: Settings, dataset_path: Path, run: st
     if settings.max_tokens > settings.max_tokens_limit:
         raise SettingsError(f"EAGLE3Q_MAX_TOKENS {settings.max_tokens} is over EAGLE3Q_MAX_TOKENS_LIMIT "
                             f"{settings.max_tokens_limit}: the workers would reject every task")
+    store = Store.from_settings(settings)
+    store.check()  # a bucket that does not exist or a wrong key: refused before a prompt is registered
     dataset = opts.dataset_name or dataset_path.name
     sampling = sampling_of(settings)
     report = EnqueueReport(run=run)
@@ -106,7 +108,6 @@ def enqueue(app, ledger: Ledger, settings: Settings, dataset_path: Path, run: st
     sender = ThrottledSender(app, ledger, run, settings.max_queued if opts.max_queued is None else opts.max_queued,
                              opts, report, t0)
     duplicates = Duplicates(sampling.temperature == 0, report)
-    store = Store(settings.store_dir)
     for prompt in _prompts(dataset_path, opts, report):
         task = task_for(prompt, run, dataset, settings, sampling)
         original = duplicates.skip(prompt)

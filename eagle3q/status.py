@@ -4,7 +4,6 @@ The counts add up by construction: pending = incoming - done - rejected, all rea
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,24 +73,29 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             out["stages"][name]["consistency"] = {"checked": n,
                                                   "mean_top1": round(c.stats.get("hs_check_milli", 0) / n / 1000, 3),
                                                   "inconsistent": c.reasons.get("hs_inconsistent", 0)}
-    out["store"] = store_projection(out["stages"], get_settings().store_dir)
+    out["store"] = store_projection(out["stages"], *_store_free_bytes())
     return out
 
 
-def store_projection(stages: dict, store_dir: str) -> dict | None:
-    """The hidden-state files the run will have written when every sample still in the pipeline is extracted: the
-    bytes so far per finished sample x the samples left (enqueued, not rejected, not yet extracted: an upper bound
-    when more will be rejected), against the store's free space."""
+def _store_free_bytes() -> tuple[int | None, str]:
+    """The store's free space (a directory's; None where it is not mounted here, or for an object store) and URL."""
+    from eagle3q.store import Store
+
+    store = Store.from_settings(get_settings())
+    return store.free_bytes(), store.url
+
+
+def store_projection(stages: dict, free: int | None, url: str = "") -> dict | None:
+    """The hidden-state objects the run will have written when every sample still in the pipeline is extracted:
+    the bytes so far per finished sample x the samples left (enqueued, not rejected, not yet extracted: an upper
+    bound when more will be rejected), against the store's free space (None: an object store, or a directory not
+    mounted where status runs). The bytes come from the ledger, so this reads the same for a local or an S3 store."""
     inf, hs = stages[INFERENCE.name], stages[HIDDEN_STATES.name]
     if not hs["done"] or not hs["bytes"]:
         return None
     left = max(0, inf["incoming"] - inf["rejected"] - hs["done"] - hs["rejected"])
     more = hs["bytes"] / hs["done"] * left
-    try:
-        free = shutil.disk_usage(store_dir).free
-    except OSError:  # the store is on another machine (status run elsewhere): no free-space figure
-        free = None
-    return {"bytes": hs["bytes"], "projected_bytes": round(hs["bytes"] + more), "samples_left": left,
+    return {"url": url, "bytes": hs["bytes"], "projected_bytes": round(hs["bytes"] + more), "samples_left": left,
             "free_bytes": free, "fits": None if free is None else more <= free}
 
 
@@ -164,12 +168,13 @@ def render(snap: dict) -> Group:
             extra.append(f"[yellow]{name} tasks lost by the broker and sent again: {st['resent_lost']}[/yellow]")
     sp = snap.get("store")
     if sp and sp["samples_left"]:
-        line = (f"store: {_fmt_bytes(sp['bytes'])} of hidden states, {_fmt_bytes(sp['projected_bytes'])} projected "
-                f"when the {sp['samples_left']} samples left are extracted")
+        line = (f"store {sp.get('url', '')}: {_fmt_bytes(sp['bytes'])} of hidden states, "
+                f"{_fmt_bytes(sp['projected_bytes'])} projected when the {sp['samples_left']} samples left are "
+                "extracted")
         if sp["free_bytes"] is not None:
             line += f"; {_fmt_bytes(sp['free_bytes'])} free"
         if sp["fits"] is False:
-            line = f"[red]{line}: the store will fill before the run ends: free space, or move EAGLE3Q_STORE_DIR[/red]"
+            line = f"[red]{line}: the store will fill before the run ends: free space, or move EAGLE3Q_STORE_URL[/red]"
         extra.append(line)
     tr = snap["train"]
     if tr:

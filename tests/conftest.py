@@ -27,15 +27,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hidden_store(tiny: Path, root: Path, hs_dtype: str) -> Store:
-    from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
+    from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
 
     store = Store(root)
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     for i in range(5):
         ids = list(range(3 + i, 23 + 3 * i))
-        write_hidden(store.hidden_path("r", f"{i:032x}"), ids, [0] * 6 + [1] * (len(ids) - 6),
-                     ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state,
-                                            "dataset": "d", "row": i}, hs_dtype)
+        store.write_hidden("r", f"{i:032x}", to_safetensors(
+            ids, [0] * 6 + [1] * (len(ids) - 6), ex.extract([ids])[0],
+            {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state, "dataset": "d", "row": i}, hs_dtype))
     return store
 
 
@@ -106,10 +106,8 @@ def _assert_accounted(stack: LocalStack, run: str) -> tuple[set[str], dict[str, 
     rejected = L.rejected(run, "inference")
     assert not done & set(rejected)
     assert done | set(rejected) == enqueued
-    files = {p.stem for p in (stack.store.run_dir(run) / "samples").glob("*/*.json")}
-    assert files == done
-    rej_files = {p.stem for p in (stack.store.run_dir(run) / "rejected" / "inference").glob("*/*.json")}
-    assert rej_files == set(rejected)
+    assert set(stack.store.sample_ids(run)) == done
+    assert set(stack.store.rejection_ids(run, "inference")) == set(rejected)
     c = L.counts(run, "inference")
     assert c.incoming == c.done + c.rejected == len(enqueued)
     assert sum(c.reasons.values()) == c.rejected

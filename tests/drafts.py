@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.export import export_draft
+from eagle3q.eagle3.export import draft_files
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
 from eagle3q.eagle3.target import load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_mapping
+from eagle3q.store import write_atomic
 
 
 def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256,  # noqa: ANN201
@@ -29,5 +30,6 @@ def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256,
         if p.requires_grad:
             p.data.normal_(0, 0.05)
     d2t, t2d = build_mapping(torch.randint(0, 100, (tc["vocab_size"],)), draft_vocab)
-    export_draft(out, draft, c, d2t, t2d, aux)
+    for name, data in draft_files(draft, c, d2t, t2d, aux).items():
+        write_atomic(out / name, data)
     return tc, tensors, c, draft, d2t, t2d

@@ -136,7 +136,8 @@ def warm_contexts(app: Celery, queues: list[str] | None) -> None:
     task, every thread asking the same two questions, put ~0.4 s before the first request of a run,
     bench_throughput.py) and a task that finds it down retries by name."""
     builders = {INFERENCE.queue: (INFERENCE.name, lambda: _inference_context(app)),
-                HIDDEN_STATES.queue: (HIDDEN_STATES.name, lambda: _hidden_context(app))}
+                HIDDEN_STATES.queue: (HIDDEN_STATES.name, lambda: _hidden_context(app)),
+                TRAIN.queue: (TRAIN.name, lambda: _train_context())}
     for queue, (stage, build) in builders.items():
         if queues and queue not in queues:
             continue
@@ -151,6 +152,14 @@ def warm_contexts(app: Celery, queues: list[str] | None) -> None:
                     ctx.check_server(url, ctx.settings.profile)
 
 
+def _train_context():  # noqa: ANN202 - the trainer builds its model per run; at start it proves the store works
+    from eagle3q.store import Store
+
+    store = Store.from_settings(get_settings())
+    store.check()
+    return store
+
+
 def _hidden_context(app: Celery):  # noqa: ANN202
     from eagle3q.control.ledger import Ledger
     from eagle3q.eagle3.extract import TransformersExtractor
@@ -160,6 +169,8 @@ def _hidden_context(app: Celery):  # noqa: ANN202
     s = get_settings()
     if not s.target_model:
         raise RuntimeError("EAGLE3Q_TARGET_MODEL is not set: the hidden-state worker needs the target model")
+    store = Store.from_settings(s)
+    store.check()  # before the target loads: a wrong bucket is said in seconds, not after minutes of loading
     if s.hs_backend == "vllm":  # the serving engine extracts; this worker needs only the target's config
         from eagle3q.eagle3.vllm_extract import VllmExtractor
 
@@ -176,7 +187,7 @@ def _hidden_context(app: Celery):  # noqa: ANN202
 
         check = ConsistencyCheck(s.target_model, s.hs_check_positions, s.hs_check_min, s.hs_check_min_greedy,
                                  s.device, tokenizer=s.tokenizer or None)
-    return HiddenContext(Store(s.store_dir), Ledger.from_url(s.broker_url()), extractor, s.token_budget,
+    return HiddenContext(store, Ledger.from_url(s.broker_url()), extractor, s.token_budget,
                          lambda run: send_train(app, run), check, s.hs_dtype)
 
 
@@ -264,7 +275,7 @@ def train(self: Task, payload: dict, sig: str | None = None) -> str:
         log.error("refused a training task for run %s: its training was never triggered", ref.run)
         return "refused: not triggered"
     try:
-        result = train_run(ref.run, s, Store(s.store_dir), ledger)
+        result = train_run(ref.run, s, Store.from_settings(s), ledger)
     except TrainingBusy as e:
         # A duplicate delivery while another trainer works on the run: come back in a few seconds (the lease tells
         # whether the other one is still alive; a dead one's run is taken over seconds after its lease ends), never

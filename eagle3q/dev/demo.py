@@ -136,12 +136,14 @@ def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: s
         heldout_prompts,
         ood_prompt_sets,
         plot_positions,
+        save_report,
         with_ood,
     )
+    from eagle3q.store.run_store import CURVES, EXPORT, TENSORBOARD
 
     t0 = time.monotonic()
     prompts = heldout_prompts(stack.store, run, 32)
-    export = stack.settings.store_dir / run / "train" / "export"
+    export = stack.store.local_dir(run, EXPORT, workdir / "export")  # the store's own directory where it is one
     sets, groups, order = with_ood(prompts, ood_prompt_sets(str(tiny), "kimi_k2", True))
     ks = (1, 2, 3, 4, 5)
     results = acceptance_by_set(str(tiny), str(export), sets, groups, stack.store, run, ks, max_new=64)
@@ -175,8 +177,9 @@ def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: s
     console.print("by prompt set (held out: the run's own, never trained on; out-of-domain: 64 prompts shipped with "
                   "eagle3q, worded unlike the data set):")
     console.print(format_sets(results, order, served or None, max(SERVED_KS) if served else None), markup=False)
-    train_dir = stack.settings.store_dir / run / "train"
-    png = plot_positions(results, train_dir / "eval" / "acceptance_by_position.png")
+    png = plot_positions(results)
+    figures = save_report(stack.store, run, {"held_out_table": table, "sets": {n: results[n].__dict__ for n in order}},
+                          png)
     console.print(f"draft checkpoint for vLLM: {export}  (evaluation {time.monotonic() - t0:.0f}s)")
-    console.print(f"pictures: {train_dir / 'curves.png'} (training), {png} (acceptance by draft position); "
-                  f"TensorBoard: {train_dir / 'tensorboard'}")
+    console.print(f"pictures: {stack.store.artifact_url(run, CURVES)} (training), {figures[-1]} (acceptance by "
+                  f"draft position); TensorBoard: {stack.store.artifact_url(run, TENSORBOARD)}")

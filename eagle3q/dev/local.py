@@ -204,7 +204,7 @@ class LocalStack:
         self.ledger = Ledger.from_url(self.settings.broker_url())
         # The broker's own keys (queue lists, kombu's unacked hash), for tests that inspect or damage them.
         self.broker = redis.Redis.from_url(self.settings.broker_url(), decode_responses=True)
-        self.store = Store(self.settings.store_dir)
+        self.store = Store.from_settings(self.settings)
         self.workers: list[Proc] = []
 
     def worker(self, role: str = "inference", concurrency: int = 8, wait: bool = True, **env: str) -> Proc:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3q.contract import Sampling
-from eagle3q.eagle3.extract import TransformersExtractor, write_hidden
+from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
 from eagle3q.generate.profiles import get_profile, resolve
 from eagle3q.generate.validation import validate
 from eagle3q.prompt_keys import split_key
@@ -38,8 +38,8 @@ def write_samples(tiny: Path | str, store: Store, run: str, prompts: Sequence[Pr
                                   input_ids=ids, loss_mask=mask, num_prompt_tokens=len(v.prompt_ids),
                                   reasoning=v.reasoning, content=v.content, finish_reason="stop", truncated=False,
                                   endpoint="sim", latency_s=0.0))
-        write_hidden(store.hidden_path(run, sid), ids, mask, ex.extract([ids])[0],
-                     {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state, "dataset": dataset, "row": p.row,
-                      "split_key": split_key(p.messages)})
+        store.write_hidden(run, sid, to_safetensors(
+            ids, mask, ex.extract([ids])[0], {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state,
+                                              "dataset": dataset, "row": p.row, "split_key": split_key(p.messages)}))
         ids_out.append(sid)
     return ids_out

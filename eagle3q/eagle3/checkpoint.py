@@ -1,18 +1,18 @@
 """Training checkpoints without pickle: safetensors for the weights and the optimizer's moments, JSON metadata for
-the step and the rest of the schedule. A redelivered training task resumes where the lost one stopped."""
+the step and the rest of the schedule, as one object in the store (train/checkpoint.safetensors). A redelivered
+training task resumes where the lost one stopped, on whichever machine it lands."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
 from eagle3q.eagle3.model import NORM_LAYOUTS, Eagle3Draft
-from eagle3q.store import write_atomic
+from eagle3q.store.safetensors_format import header_length, parse_header
 
 
-def save_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> None:
+def checkpoint_bytes(model: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> bytes:
     from safetensors.torch import save
 
     state = {**state, "draft_norms": model.c.norms()}
@@ -25,15 +25,15 @@ def save_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer, 
                 tensors[f"opt.{i}.{name}"] = st[name].contiguous()
         if "step" in st:
             state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
-    write_atomic(path, save(tensors, metadata={"state": json.dumps(state)}))
+    return save(tensors, metadata={"state": json.dumps(state)})
 
 
-def load_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer) -> dict:
-    from safetensors import safe_open
+def restore_checkpoint(data: bytes, model: Eagle3Draft, opt: torch.optim.Optimizer, where: str) -> dict:
+    """Load a checkpoint's bytes into the model and optimizer; the saved schedule state. `where`: for messages."""
+    from safetensors.torch import load
 
-    with safe_open(str(path), framework="pt") as f:
-        state = json.loads(f.metadata()["state"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    state = json.loads(parse_header(data[:header_length(data)]).metadata["state"])
+    tensors = load(data)
     # A checkpoint of another draft layout would load in part (its optimizer moments shifted onto other
     # parameters) and resume a different model: refuse it by name. Checkpoints from before the flags were
     # recorded are EAGLE-3's original layout.
@@ -41,7 +41,7 @@ def load_checkpoint(path: Path, model: Eagle3Draft, opt: torch.optim.Optimizer) 
     if saved != model.c.norms():
         layout = next((name for name, flags in NORM_LAYOUTS.items() if flags == saved), None)
         fix = f"set EAGLE3Q_DRAFT_NORMS={layout}" if layout else "train with the layout it was trained with"
-        raise ValueError(f"checkpoint {path} holds a draft with norms {saved}, the settings build {model.c.norms()}: "
+        raise ValueError(f"checkpoint {where} holds a draft with norms {saved}, the settings build {model.c.norms()}: "
                          f"{fix}, or delete the checkpoint to start over")
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     params = [p for g in opt.param_groups for p in g["params"]]

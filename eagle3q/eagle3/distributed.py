@@ -8,7 +8,8 @@ reports progress, writes checkpoints, TensorBoard and the export.
 
 The training task (`eagle3q.stages.train`) holds the run lock, freezes the manifest and, with
 `EAGLE3Q_TRAIN_PROCESSES` > 1, starts `python -m torch.distributed.run --standalone --nproc-per-node N -m
-eagle3q.eagle3.distributed RUN OUT` and waits; rank 0 leaves its result in `OUT/ddp-result.json`.
+eagle3q.eagle3.distributed RUN` and waits; every rank reads the manifest and the samples from the store
+(EAGLE3Q_STORE_URL, passed on), and rank 0 leaves its result there (train/ddp-result.json).
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from eagle3q.eagle3.collectives import is_main, rank_and_world
-
-RESULT = "ddp-result.json"
+from eagle3q.store import Store
+from eagle3q.store.run_store import DDP_RESULT
 
 
 def settings_env(s) -> dict[str, str]:  # noqa: ANN001 - an eagle3q.config.Settings
@@ -39,28 +39,27 @@ def settings_env(s) -> dict[str, str]:  # noqa: ANN001 - an eagle3q.config.Setti
     return env
 
 
-def launch(run: str, out: Path, processes: int, env: dict[str, str] | None = None) -> dict:
+def launch(store: Store, run: str, processes: int, env: dict[str, str] | None = None) -> dict:
     """Run the ranks (the caller holds the run lock and has written the manifest); rank 0's result."""
-    (out / RESULT).unlink(missing_ok=True)
+    store.delete_artifact(run, DDP_RESULT)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-            "-m", "eagle3q.eagle3.distributed", run, str(out)]
+            "-m", "eagle3q.eagle3.distributed", run]
     subprocess.run(args, check=True, env={**os.environ, **(env or {})})
-    return json.loads((out / RESULT).read_text())["result"]
+    return store.get_json(run, DDP_RESULT)["result"]
 
 
 def main(argv: list[str]) -> None:
-    """One rank: `python -m eagle3q.eagle3.distributed RUN OUT` under torchrun."""
+    """One rank: `python -m eagle3q.eagle3.distributed RUN` under torchrun."""
     import logging
 
     import torch.distributed as dist
 
     from eagle3q.config import get_settings
     from eagle3q.control.ledger import Ledger
-    from eagle3q.eagle3.manifest import NAME, Manifest
+    from eagle3q.eagle3.manifest import load
     from eagle3q.eagle3.training import train_draft
-    from eagle3q.store import Store
 
-    run, out = argv[0], Path(argv[1])
+    run = argv[0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
@@ -68,9 +67,8 @@ def main(argv: list[str]) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         s = get_settings()
-        store = Store(s.store_dir)
-        manifest = Manifest.from_json((out / NAME).read_bytes())
-        paths = {e.sample_id: store.hidden_path(run, e.sample_id) for e in (*manifest.train, *manifest.val)}
+        store = Store.from_settings(s)
+        manifest = load(store, run)
         ledger = Ledger.from_url(s.broker_url()) if is_main() and os.environ.get("EAGLE3Q_DDP_REPORT") == "1" \
             else None
 
@@ -79,9 +77,9 @@ def main(argv: list[str]) -> None:
                 ledger.set_train_progress(run, **{k: (json.dumps(v) if isinstance(v, list) else v)
                                                   for k, v in kw.items()})
 
-        result = train_draft(manifest, paths, s, out, s.target_model, progress)
+        result = train_draft(manifest, store, s, s.target_model, progress)
         if is_main():
-            (out / RESULT).write_text(json.dumps({"result": result.__dict__, "world_size": rank_and_world()[1]}))
+            store.put_json(run, DDP_RESULT, {"result": result.__dict__, "world_size": rank_and_world()[1]})
     finally:
         dist.destroy_process_group()
 

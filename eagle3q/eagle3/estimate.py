@@ -53,22 +53,13 @@ def estimate_for_run(s: Settings, prompts: int, tokens_per_sample: int | None = 
     total = prompts * per_sample * per_token
     line = (f"hidden-state storage estimate: {prompts} samples x ~{per_sample} tokens x {per_token} B/token "
             f"(H={h}, {s.hs_dtype}) = {total / 1e9:.2f} GB")
-    free = _free_bytes(s.store_dir)
+    from eagle3q.store import Store
+
+    store = Store.from_settings(s)
+    free = store.free_bytes()
     if free is not None:
-        line += f"; the store {s.store_dir} has {free / 1e9:.2f} GB free"
+        line += f"; the store {store.url} has {free / 1e9:.2f} GB free"
         if free < total:
             line += " (WARNING: not enough; `status` projects the size again from the bytes really written)"
     return line
 
-
-def _free_bytes(store_dir: str) -> int | None:
-    """Free space where the store is (or would be created): its nearest existing directory."""
-    import shutil
-
-    path = Path(store_dir).resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None

@@ -11,7 +11,7 @@ Prompts are held out: the prompt part of the run's validation samples (`eagle3q.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -104,16 +104,14 @@ class Bigram:
     fallback: int
 
     @classmethod
-    def from_files(cls, paths: Sequence[Path]) -> Bigram:
+    def from_tokens(cls, samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> Bigram:
+        """From (input ids, loss mask) of each training sample."""
         from collections import Counter
-
-        from safetensors import safe_open
 
         pairs: Counter[tuple[int, int]] = Counter()
         unigrams: Counter[int] = Counter()
-        for p in paths:
-            with safe_open(str(p), framework="pt") as f:
-                ids, mask = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
+        for ids_, mask_ in samples:
+            ids, mask = list(map(int, ids_)), list(map(int, mask_))
             for t in range(1, len(ids)):
                 if mask[t]:
                     pairs[(ids[t - 1], ids[t])] += 1
@@ -230,7 +228,8 @@ def bigram_for_run(store, run: str) -> Bigram:  # noqa: ANN001
     from eagle3q.eagle3.manifest import load
 
     m = load(store, run)
-    return Bigram.from_files([store.hidden_path(run, e.sample_id) for e in m.train])
+    return Bigram.from_tokens(store.map_samples(lambda sid: store.hidden_tokens(run, sid),
+                                                [e.sample_id for e in m.train]))
 
 
 def evaluate_proposer(target_dir: str, proposer: Proposer, aux_ids: list[int], prompts: list[list[int]],
@@ -316,10 +315,9 @@ def held_out_table(results: dict[str, SetResult], ks: Sequence[int],
     return {**table, "ceiling": {k: float(k + 1) for k in ks}}
 
 
-def plot_positions(results: dict[str, SetResult], out: Path, served: dict[str, list[float]] | None = None
-                   ) -> Path | None:
+def plot_positions(results: dict[str, SetResult], served: dict[str, list[float]] | None = None) -> bytes | None:
     """The per-position acceptance at the largest k: the trained draft and the bigram table on the held-out and the
-    out-of-domain prompts, and vLLM's own where it was measured (eagle3q.plots)."""
+    out-of-domain prompts, and vLLM's own where it was measured (eagle3q.plots), as PNG bytes."""
     from eagle3q.plots import acceptance_by_position
 
     series: dict[str, list[float]] = {}
@@ -331,7 +329,28 @@ def plot_positions(results: dict[str, SetResult], out: Path, served: dict[str, l
             series[f"bigram, {name}"] = results[name].positions["bigram"][k]
     for name, rates in (served or {}).items():
         series[f"vLLM, {name}"] = rates
-    return acceptance_by_position(series, out, f"acceptance by draft position (greedy, k = {k} drafts a round)")
+    return acceptance_by_position(series, f"acceptance by draft position (greedy, k = {k} drafts a round)")
+
+
+EVAL_JSON, POSITIONS_PNG = "eval.json", "acceptance_by_position.png"
+
+
+def save_report(store, run: str, report: dict, png: bytes | None,  # noqa: ANN001 - an eagle3q.store.Store
+                out: Path | None = None) -> list[str]:
+    """The evaluation's figures, in the run's train/eval in the store, or in the local directory `out` where one
+    is given: where each went."""
+    import json
+
+    from eagle3q.store import write_atomic
+    from eagle3q.store.run_store import EVAL
+
+    files = {EVAL_JSON: json.dumps(report, indent=1).encode(), **({POSITIONS_PNG: png} if png else {})}
+    for name, data in files.items():
+        if out is not None:
+            write_atomic(out / name, data)
+        else:
+            store.put_artifact(run, f"{EVAL}/{name}", data)
+    return [str(out / n) if out is not None else store.artifact_url(run, f"{EVAL}/{n}") for n in files]
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Export the draft in the layout vLLM loads with `--speculative-config '{"method": "eagle3", "model": DIR, ...}'`:
-`config.json` (LlamaForCausalLMEagle3) and `model.safetensors` with midlayer.*, fc, norm, lm_head, d2t and t2d."""
+`config.json` (LlamaForCausalLMEagle3) and `model.safetensors` with midlayer.*, fc, norm, lm_head, d2t and t2d.
+Written to the store (the run's train/export/); `eagle3q fetch-export` copies it to the directory vLLM reads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import torch
 
 from eagle3q.eagle3.model import NORM_FLAGS, DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
-from eagle3q.store import write_atomic
+from eagle3q.store import Store
+from eagle3q.store.run_store import EXPORT
 
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 MIDLAYER_KEYS = (
@@ -64,8 +66,18 @@ def aux_ids_as_vllm_reads(cfg: dict) -> list[int] | None:
     return list(ids) if ids else None
 
 
-def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
-                 aux_ids: list[int]) -> Path:
+def export_draft(store: Store, run: str, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
+                 aux_ids: list[int]) -> str:
+    """The export's two objects in the store, the weights first (a reader that finds config.json finds the whole
+    export); where it is."""
+    for name, data in draft_files(model, c, d2t, t2d, aux_ids).items():
+        store.put_artifact(run, f"{EXPORT}/{name}", data)
+    return store.artifact_url(run, EXPORT)
+
+
+def draft_files(model: Eagle3Draft, c: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
+                aux_ids: list[int]) -> dict[str, bytes]:
+    """The export's files by name, weights first: model.safetensors and config.json."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.exported_state().items()}
@@ -75,13 +87,11 @@ def export_draft(out: Path, model: Eagle3Draft, c: DraftConfig, d2t: torch.Tenso
     if c.draft_vocab_size != c.vocab_size:
         tensors["d2t"] = d2t.to(torch.long).contiguous()
         tensors["t2d"] = t2d.to(torch.bool).contiguous()
-    write_atomic(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    cfg = vllm_config(c, aux_ids)
-    write_atomic(out / "config.json", json.dumps(cfg, indent=2).encode())
-    read_back = aux_ids_as_vllm_reads(json.loads((out / "config.json").read_text()))
+    cfg = json.dumps(vllm_config(c, aux_ids), indent=2).encode()
+    read_back = aux_ids_as_vllm_reads(json.loads(cfg))
     if read_back != sorted(aux_ids):
         raise RuntimeError(f"exported config gives vLLM aux ids {read_back}, trained with {sorted(aux_ids)}")
-    return out
+    return {"model.safetensors": save(tensors, metadata={"format": "pt"}), "config.json": cfg}
 
 
 def load_exported(out: Path, embed_weight: torch.Tensor) -> tuple[Eagle3Draft, dict, torch.Tensor, torch.Tensor]:

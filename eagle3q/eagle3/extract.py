@@ -4,24 +4,17 @@ Layer ids follow vLLM's convention: id 0 = embedding output, id k = output of de
 is [2, L//2, L-3]; SpecForge / Model-Optimizer write [1, L//2-1, L-4] for the same layers ("output of layer i"): use
 `from_layer_indices` to convert, never copy ids across conventions.
 
-One safetensors file per sample: input_ids [T] (int64), loss_mask [T] (uint8), aux_hidden_states [T, 3H] and
-hidden_state [T, H] (bf16; or with EAGLE3Q_HS_DTYPE=fp8, e4m3 with float32 `*_scales` [T, 3, 1] and [T, 1, 1], see
-eagle3q.eagle3.fp8; metadata `hs_dtype`; `read_hidden` restores them to float32). The final state is the last
-decoder layer's output before the target's final norm, what vLLM's extraction returns: the post-norm state follows
-from it with the norm's weight (training and the SpecForge export apply it), the pre-norm one cannot be recovered
-from the post-norm. The file's metadata `final_state` says
-which one a file holds ("pre_norm", or "post_norm" for a target without a final norm module, and older files).
+One object per sample in the store; its format (the four tensors, fp8, the metadata) is eagle3q.store.hidden_format.
+The final state is the last decoder layer's output before the target's final norm, what vLLM's extraction returns.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eagle3q.eagle3.target import text_config
-from eagle3q.store import write_atomic
 
 log = logging.getLogger("eagle3q.hidden_states")
 
@@ -150,77 +143,7 @@ def check_tensors(input_ids: Sequence[int], ex: Extracted, hidden_size: int, n_a
 
 def to_safetensors(input_ids: Sequence[int], loss_mask: Sequence[int], ex: Extracted, meta: dict,
                    hs_dtype: str = "bf16") -> bytes:
-    import torch
-    from safetensors.torch import save
+    """The sample's hidden-state object (eagle3q.store.hidden_format), for `Store.write_hidden`."""
+    from eagle3q.store.hidden_format import encode
 
-    from eagle3q.eagle3.fp8 import SCALES_SUFFIX, quantize
-
-    aux, final = ex.aux.to(torch.bfloat16).contiguous(), ex.final.to(torch.bfloat16).contiguous()
-    # bf16 can overflow to inf where float32 did not: check what is actually written (fp8's scales come from it).
-    if not torch.isfinite(aux).all() or not torch.isfinite(final).all():
-        raise OverflowError("hs_nonfinite")
-    tensors = {"input_ids": torch.tensor(list(input_ids), dtype=torch.long),
-               "loss_mask": torch.tensor(list(loss_mask), dtype=torch.uint8)}
-    if hs_dtype == "fp8":
-        hidden = final.shape[-1]
-        for key, x in (("aux_hidden_states", aux), ("hidden_state", final)):
-            tensors[key], tensors[key + SCALES_SUFFIX] = quantize(x, x.shape[-1] // hidden)
-    elif hs_dtype == "bf16":
-        tensors |= {"aux_hidden_states": aux, "hidden_state": final}
-    else:
-        raise ValueError(f"hidden-state dtype must be bf16 or fp8, got {hs_dtype!r}")
-    meta = {**meta, "hs_dtype": hs_dtype}
-    return save(tensors, metadata={k: json.dumps(v) for k, v in meta.items()})
-
-
-def write_hidden(path, input_ids, loss_mask, ex: Extracted, meta: dict, hs_dtype: str = "bf16") -> int:  # noqa: ANN001
-    data = to_safetensors(input_ids, loss_mask, ex, meta, hs_dtype)
-    write_atomic(path, data)
-    return len(data)
-
-
-def load_hidden(path) -> dict:  # noqa: ANN001
-    """A file's four tensors, fp8 ones restored (bf16 files: as stored)."""
-    return read_hidden(path)[0]
-
-
-HIDDEN_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")
-STATE_KEYS = ("aux_hidden_states", "hidden_state")
-
-
-def read_hidden(path, restore: bool = True) -> tuple[dict, str]:  # noqa: ANN001
-    """A sample's four tensors, and which side of the target's final norm its final state is on ("pre_norm", or
-    "post_norm" for files that do not say: the older ones). An fp8 file's states come back restored to float32
-    (`restore=False`: as stored, with their `*_scales`)."""
-    from safetensors import safe_open
-
-    from eagle3q.eagle3.fp8 import SCALES_SUFFIX, dequantize
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        keys = set(f.keys())
-        tensors = {k: f.get_tensor(k) for k in HIDDEN_KEYS}
-        scales = {k: f.get_tensor(k + SCALES_SUFFIX) for k in STATE_KEYS if k + SCALES_SUFFIX in keys}
-    if scales:
-        tensors |= {k: dequantize(tensors[k], scales[k]) for k in STATE_KEYS} if restore else \
-            {k + SCALES_SUFFIX: v for k, v in scales.items()}
-    return tensors, json.loads(meta.get("final_state", '"post_norm"'))
-
-
-def stored_dtype(path) -> str:  # noqa: ANN001
-    """"fp8" or "bf16" (files from before the setting are bf16)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("hs_dtype", '"bf16"'))
-
-
-def file_is_valid(path, expected_len: int) -> bool:  # noqa: ANN001
-    """A complete file of the right length (a redelivered task trusts it only then)."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_slice("input_ids").get_shape() == [expected_len]
-    except Exception:  # noqa: BLE001 - missing or corrupt: extract again
-        return False
+    return encode(input_ids, loss_mask, ex.aux, ex.final, meta, hs_dtype)

@@ -46,7 +46,7 @@ def _stored(s: Settings, run: str) -> tuple[list[int], list[int], bool]:
     ids = sorted(Ledger.from_url(s.broker_url()).done_ids(run, INFERENCE.name))
     if not ids:
         raise ValueError(f"run {run} has no accepted sample yet")
-    sample = Store(s.store_dir).read_sample(run, ids[0])
+    sample = Store.from_settings(s).read_sample(run, ids[0])
     n = sample.num_prompt_tokens
     return sample.input_ids[:n], sample.input_ids[n:], sample.sampling.temperature == 0
 

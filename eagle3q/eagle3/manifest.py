@@ -1,7 +1,7 @@
 """What a run trains on, frozen when its training starts: the sample files, their lengths, and the held-out split.
 
 Hidden states may keep arriving after the trigger (a target below the run's size); a trainer that is killed and
-resumed must continue the same schedule, so the list is written once (`<train dir>/manifest.json`) and every later
+resumed must continue the same schedule, so the list is written once (the store's `train/manifest.json`) and every later
 trainer reads it back. The validation split is by prompt content (`eagle3q.prompt_keys.split_key`: the opening of the
 conversation, normalized), from its hash: every turn of a conversation, every repeat of a prompt and every row that
 opens alike fall on one side, so no held-out prompt is a training prompt. Stable across runs and machines. (Until
@@ -14,11 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from eagle3q.store import Store, write_atomic
-
-NAME = "manifest.json"
+from eagle3q.store import Store
+from eagle3q.store.run_store import MANIFEST as NAME
 
 
 @dataclass(frozen=True)
@@ -54,20 +52,22 @@ def is_validation(split_key: str, fraction: float) -> bool:
     return h < fraction
 
 
-def entry_for(store: Store, run: str, path: Path) -> Entry:
-    from safetensors import safe_open
-
+def entry_for(store: Store, run: str, sample_id: str) -> Entry:
+    """A sample's entry from its hidden-state object's header (one ranged read, not its states)."""
     from eagle3q.prompt_keys import split_key
+    from eagle3q.store.hidden_format import token_count
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tokens = int(f.get_slice("input_ids").get_shape()[0])
-    if "split_key" in meta:
-        return Entry(path.stem, tokens, json.loads(meta["split_key"]))
-    if store.has_sample(run, path.stem):  # files written before the key was recorded: the sample's messages
-        return Entry(path.stem, tokens, split_key(store.read_sample(run, path.stem).messages))
-    dataset, row = json.loads(meta.get("dataset", '"?"')), json.loads(meta.get("row", "-1"))
-    return Entry(path.stem, tokens, f"{dataset}:{row}")
+    header = store.hidden_header(run, sample_id)
+    tokens = token_count(header)
+    if "split_key" in header.metadata:
+        return Entry(sample_id, tokens, str(header.meta("split_key")))
+    if store.has_sample(run, sample_id):  # objects written before the key was recorded: the sample's messages
+        return Entry(sample_id, tokens, split_key(store.read_sample(run, sample_id).messages))
+    return Entry(sample_id, tokens, f"{header.meta('dataset', '?')}:{header.meta('row', -1)}")
+
+
+def entries_for(store: Store, run: str, ids: list[str]) -> list[Entry]:
+    return list(store.map_samples(lambda sid: entry_for(store, run, sid), ids))
 
 
 def split_report(m: Manifest) -> dict[str, int | str]:
@@ -81,22 +81,24 @@ def split_report(m: Manifest) -> dict[str, int | str]:
 
 def load(store: Store, run: str) -> Manifest:
     """The manifest a trainer froze for the run (FileNotFoundError before the run was trained)."""
-    path = store.train_dir(run) / NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"run {run} has no training manifest ({path}): train it first")
-    return Manifest.from_json(path.read_bytes())
+    try:
+        return Manifest.from_json(store.get_artifact(run, NAME))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"run {run} has no training manifest ({store.artifact_url(run, NAME)}): "
+                                "train it first") from None
 
 
 def load_or_create(store: Store, run: str, val_fraction: float) -> Manifest:
-    """The run's manifest: read back if a trainer wrote it before, else built from the files present now."""
-    path = store.train_dir(run) / NAME
-    if path.is_file():
-        return Manifest.from_json(path.read_bytes())
-    entries = [entry_for(store, run, p) for p in store.hidden_files(run)]
+    """The run's manifest: read back if a trainer wrote it before, else built from the objects present now."""
+    try:
+        return Manifest.from_json(store.get_artifact(run, NAME))
+    except FileNotFoundError:
+        pass
+    entries = entries_for(store, run, store.hidden_ids(run))
     val = tuple(e for e in entries if is_validation(e.split_key, val_fraction))
     train = tuple(e for e in entries if not is_validation(e.split_key, val_fraction))
     if not train and val:  # a handful of rows that all hashed to validation: train on them rather than nothing
         train, val = val, ()
     m = Manifest(run, train, val, val_fraction)
-    write_atomic(path, m.to_json())
+    store.put_artifact(run, NAME, m.to_json())
     return m

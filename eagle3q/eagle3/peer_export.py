@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.extract import read_hidden, stored_dtype
-from eagle3q.eagle3.fp8 import SCALES_SUFFIX
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.store import Store, write_atomic
+from eagle3q.store.fp8 import SCALES_SUFFIX
+from eagle3q.store.hidden_format import stored_dtype
 
 FORMATS = ("speculators", "specforge")
 MANIFEST = "eagle3q-export.json"
@@ -102,18 +102,20 @@ class _Order:
 def _held_out(store: Store, run: str, ids: list[str], val_fraction: float) -> set[str]:
     """The trainer's frozen split where the run was trained (its manifest), and the same rule, by prompt content
     (eagle3q.eagle3.manifest), for samples it did not see."""
-    from eagle3q.eagle3.manifest import NAME, Manifest, entry_for, is_validation
+    from eagle3q.eagle3.manifest import entries_for, is_validation, load
 
     frozen_val: set[str] = set()
     frozen: set[str] = set()
-    path = store.train_dir(run) / NAME
-    if path.is_file():
-        m = Manifest.from_json(path.read_bytes())
+    try:
+        m = load(store, run)
+    except FileNotFoundError:
+        pass
+    else:
         val_fraction = m.val_fraction
         frozen_val = {e.sample_id for e in m.val}
         frozen = frozen_val | {e.sample_id for e in m.train}
-    return frozen_val | {sid for sid in ids if sid not in frozen and is_validation(
-        entry_for(store, run, store.hidden_path(run, sid)).split_key, val_fraction)}
+    fresh = entries_for(store, run, [sid for sid in ids if sid not in frozen])
+    return frozen_val | {e.sample_id for e in fresh if is_validation(e.split_key, val_fraction)}
 
 
 def _manifest(out_dir: Path, run: str, fmt: str, ids: list[str], val: set[str]) -> _Order:
@@ -199,23 +201,20 @@ def _dest(out_dir: Path, fmt: str, i: int, held_out: bool | None) -> Path:
     return sub / f"data_{i}.ckpt"
 
 
-def _write_vocab(store: Store, run: str, out_dir: Path, fmt: str, train_files: list[Path], target_dir: str,
+def _write_vocab(store: Store, run: str, out_dir: Path, fmt: str, train_ids: list[str], target_dir: str,
                  draft_vocab_size: int) -> int | None:
     """The draft vocabulary in the peer's own files: the trainer's (frozen with its manifest) where the run was
     trained, else counted from the training side now, with the same rule (ours equals both peers' bit for bit,
     tests/peers). speculators: `token_freq.pt` (id -> count where the loss applies) and `d2t-N.npy` / `t2d-N.npy`
     in the data directory, where its trainer looks first; SpecForge: `vocab_mapping.pt` ({"d2t", "t2d"}, its
     model.vocab_mapping_path). None where neither the trainer's vocab nor the target's vocab size is known."""
-    from safetensors.torch import load_file
+    from eagle3q.eagle3.vocab import build_mapping, count_tokens, load_vocab
 
-    from eagle3q.eagle3.vocab import build_mapping, count_tokens
-
-    trained = store.train_dir(run) / "vocab.safetensors"
-    if trained.is_file():
-        t = load_file(str(trained))
-        counts, d2t, t2d = t["counts"], t["d2t"], t["t2d"].bool()
+    trained = load_vocab(store, run)
+    if trained is not None:
+        counts, d2t, t2d = trained["counts"], trained["d2t"], trained["t2d"].bool()
     elif target_dir:
-        counts = count_tokens(train_files, int(target_config(target_dir)["vocab_size"]))
+        counts = count_tokens(store, run, train_ids, int(target_config(target_dir)["vocab_size"]))
         d2t, t2d = build_mapping(counts, draft_vocab_size)
     else:
         return None
@@ -239,18 +238,15 @@ def _write_vocab(store: Store, run: str, out_dir: Path, fmt: str, train_files: l
     return n
 
 
-def _write_arrow(out_dir: Path, files: list[Path]) -> None:
-    """speculators' data set: row i = file i. Written last (ids and masks only) from a generator, so a long run
-    does not hold its token lists in memory."""
+def _write_arrow(out_dir: Path, store: Store, run: str, ids: list[str]) -> None:
+    """speculators' data set: row i = file i. Written last (ids and masks only, ranged reads of the store) from a
+    generator, so a long run does not hold its token lists in memory."""
     import datasets
 
     def rows() -> Iterator[dict]:
-        from safetensors import safe_open
-
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:  # the ids and mask only, not the states
-                ids, mask = st.get_tensor("input_ids"), st.get_tensor("loss_mask")
-            yield {"input_ids": ids.long().tolist(), "loss_mask": mask.long().tolist(), "seq_len": int(ids.numel())}
+        for tok, mask in store.map_samples(lambda sid: store.hidden_tokens(run, sid), ids):
+            yield {"input_ids": tok.astype("int64").tolist(), "loss_mask": mask.astype("int64").tolist(),
+                   "seq_len": int(tok.shape[0])}
 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
@@ -272,18 +268,18 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
     """`val_fraction`: the held-out share for a run not trained yet (a trained run's split is its trainer's)."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
-    by_id = {p.stem: p for p in store.hidden_files(run)}
+    by_id = set(store.hidden_ids(run))
     if not by_id:
-        raise ExportError(f"run {run!r} has no hidden-state files under {store.run_dir(run)}")
+        raise ExportError(f"run {run!r} has no hidden-state objects in the store {store.url}")
     frozen = _manifest(out_dir, run, fmt, sorted(by_id), _held_out(store, run, sorted(by_id), val_fraction))
     order = frozen.ids
     missing = [i for i in order if i not in by_id]
     if missing:
         raise ExportError(f"{len(missing)} samples of the earlier export are gone from the store (e.g. {missing[0]})")
-    hs_dtype = stored_dtype(by_id[order[0]]) if fmt == "speculators" else "bf16"
+    hs_dtype = stored_dtype(store.hidden_header(run, order[0])) if fmt == "speculators" else "bf16"
     norm = None
     if fmt == "specforge":
-        first_state = read_hidden(by_id[order[0]])[1]
+        first_state = store.read_hidden(run, order[0])[1]
         if first_state == "pre_norm":
             if not target_dir:
                 raise ExportError("SpecForge wants post-norm final states: set EAGLE3Q_TARGET_MODEL (its norm)")
@@ -298,12 +294,12 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
             skipped += 1
         else:
             # speculators keeps fp8 as it is stored; SpecForge's reader knows bf16 only (restored, then rounded).
-            if fmt == "speculators" and stored_dtype(by_id[sid]) != hs_dtype:
+            t, final_state = store.read_hidden(run, sid, restore=fmt != "speculators")
+            if fmt == "speculators" and ("fp8" if "hidden_state" + SCALES_SUFFIX in t else "bf16") != hs_dtype:
                 # One reader backend reads the whole directory: it cannot mix bf16 and fp8 files.
                 raise ExportError(f"run {run!r} holds both bf16 and fp8 files (EAGLE3Q_HS_DTYPE changed mid-run, "
                                   f"{sid} is not {hs_dtype}): speculators reads a directory with one backend; "
                                   "export to SpecForge (bf16) instead")
-            t, final_state = read_hidden(by_id[sid], restore=fmt != "speculators")
             data = _speculators_file(t, final_state) if fmt == "speculators" else _specforge_file(t, final_state, norm)
             dest.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(dest, data)
@@ -311,8 +307,8 @@ def export_data(store: Store, run: str, fmt: str, out_dir: Path, target_dir: str
         bar.update(1)
     bar.close()
     if fmt == "speculators":
-        _write_arrow(out_dir, [by_id[i] for i in order])
-    train_files = [by_id[i] for i in order if i not in frozen.val]
-    vocab = _write_vocab(store, run, out_dir, fmt, train_files, target_dir, draft_vocab_size)
+        _write_arrow(out_dir, store, run, order)
+    train_ids = [i for i in order if i not in frozen.val]
+    vocab = _write_vocab(store, run, out_dir, fmt, train_ids, target_dir, draft_vocab_size)
     return ExportReport(out_dir, fmt, len(order), written, skipped, hs_dtype, frozen.train_count,
                         len(frozen.val & set(order)), vocab)

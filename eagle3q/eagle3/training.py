@@ -11,39 +11,46 @@ that turns a run's manifest (`eagle3q.eagle3.manifest`) into an exported draft. 
   target's top token is in the draft vocabulary (SpecForge/EAGLE mask the others: the draft cannot propose them).
 - Metrics per epoch, on the training batches and on the held-out rows: pooled per-step top-1 accuracy and prefix
   accuracy (right at this step and every step before), in the log, the progress report, `result.json` and
-  TensorBoard (`<train dir>/tensorboard`, when the tensorboard package is installed), and drawn after each epoch
-  as `<train dir>/curves.png` (when matplotlib is).
-- Resume: the schedule follows from the manifest, the seed and the step, so a resumed trainer continues the same
-  batches in the same order; the checkpoint carries the epoch's running metrics.
+  TensorBoard (`train/tensorboard` in the store, when the tensorboard package is installed: written in a local
+  scratch directory as the events come, copied to the store after each epoch), and drawn after each epoch as
+  `train/curves.png` (when matplotlib is).
+- Data: every sample's object is read from the store (a directory or a bucket) with read-ahead: the whole schedule
+  is known in advance, so the samples of the coming steps are fetched on threads while this one computes.
+- Resume: the schedule follows from the manifest, the seed and the step, so a resumed trainer, on this machine or
+  another one, continues the same batches in the same order from the store's checkpoint; the checkpoint carries
+  the epoch's running metrics.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from eagle3q.config import Settings
-from eagle3q.eagle3.checkpoint import load_checkpoint, save_checkpoint
+from eagle3q.eagle3.checkpoint import checkpoint_bytes, restore_checkpoint
 from eagle3q.eagle3.collectives import all_reduce_floats, all_reduce_grads, rank_and_world
-from eagle3q.eagle3.extract import read_hidden
 from eagle3q.eagle3.manifest import Entry, Manifest
 from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.eagle3.vocab import build_vocab
 from eagle3q.plots import training_curves
+from eagle3q.store import Store
+from eagle3q.store.hidden_format import decode, loss_positions
+from eagle3q.store.read_ahead import read_ahead
+from eagle3q.store.run_store import CHECKPOINT, CURVES, EXPORT, TENSORBOARD
 
 log = logging.getLogger("eagle3q.train")
 Progress = Callable[..., None]  # progress(state=..., step=..., ...): reported to the ledger by the stage
 STEP_DECAY = 0.8
-CURVES = "curves.png"  # in the train directory, beside tensorboard/: loss and accuracy per epoch (eagle3q.plots)
 
 
 @dataclass
@@ -80,20 +87,12 @@ class Batch:
     final_is_normed: bool
 
 
-def load_batch(path: Path, max_len: int) -> Batch:
-    t, final_state = read_hidden(path)
+def load_batch(data: bytes, max_len: int) -> Batch:
+    """A sample's object (its bytes from the store) as the tensors training reads."""
+    t, final_state = decode(data)
     n = min(max_len, t["input_ids"].numel())
     return Batch(t["input_ids"][:n].long(), t["loss_mask"][:n].float(), t["aux_hidden_states"][:n].float(),
                  t["hidden_state"][:n].float(), final_state == "post_norm")
-
-
-def loss_positions(path: Path, max_len: int) -> int:
-    """Positions of a sample that count at step 0 (generated input tokens), read without its hidden states."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        mask = f.get_tensor("loss_mask")[:max_len]
-    return int(mask[1:].sum())
 
 
 class TargetHead:
@@ -246,18 +245,19 @@ def make_model(s: Settings, target_dir: str) -> tuple[Eagle3Draft, DraftConfig, 
     return Eagle3Draft(cfg, tensors["embed"]), cfg, tensors
 
 
-def _tensorboard(out: Path):  # noqa: ANN202 - a SummaryWriter, or None without the tensorboard package
+def _tensorboard(scratch: Path):  # noqa: ANN202 - a SummaryWriter, or None without the tensorboard package
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         log.info("tensorboard is not installed: no curves written (pip install tensorboard)")
         return None
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
+    return SummaryWriter(log_dir=str(scratch))
 
 
-def sample_loss(model: Eagle3Draft, head: TargetHead, path: Path, s: Settings) -> tuple[torch.Tensor, StepStats] | None:
+def sample_loss(model: Eagle3Draft, head: TargetHead, data: bytes,
+                s: Settings) -> tuple[torch.Tensor, StepStats] | None:
     """One sample's TTT loss sum and step statistics (None for a sample too short to predict anything)."""
-    b = load_batch(path, s.max_len)
+    b = load_batch(data, s.max_len)
     if b.input_ids.numel() < 3:
         return None
     with torch.no_grad():
@@ -265,32 +265,60 @@ def sample_loss(model: Eagle3Draft, head: TargetHead, path: Path, s: Settings) -
     return ttt_loss(model, b, target_p, in_vocab, s.ttt_steps)
 
 
+class Samples:
+    """The rank's samples, in the order the schedule will read them, from the store with read-ahead."""
+
+    def __init__(self, store: Store, run: str, order: Iterator[str], depth: int):
+        self.stream = read_ahead(lambda sid: store.hidden_bytes(run, sid), order, depth)
+
+    def take(self, sample_id: str) -> bytes:
+        got, data = next(self.stream)
+        if got != sample_id:  # the schedule and its reader disagree: a bug, never a silent wrong sample
+            raise RuntimeError(f"read-ahead gave {got}, the schedule wants {sample_id}")
+        return data
+
+
 @torch.no_grad()
-def evaluate_files(model: Eagle3Draft, head: TargetHead, paths: list[Path], s: Settings) -> StepStats:
-    """The step statistics over `paths` (shared out between data-parallel ranks, summed)."""
+def evaluate_samples(model: Eagle3Draft, head: TargetHead, ids: list[str], samples: Samples,
+                     s: Settings) -> StepStats:
+    """The step statistics over `ids` (shared out between data-parallel ranks: this rank reads ids[rank::world],
+    summed)."""
     was_training = model.training
     model.eval()
     stats = StepStats.zeros(s.ttt_steps)
     rank, world = rank_and_world()
-    for path in paths[rank::world]:
-        scored = sample_loss(model, head, path, s)
+    for sid in ids[rank::world]:
+        scored = sample_loss(model, head, samples.take(sid), s)
         if scored is not None:
             stats.add(scored[1])
     model.train(was_training)
     return stats.reduced()
 
 
-def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Path, target_dir: str,
-                progress: Progress, log_every: int = 10) -> TrainResult:
-    """Vocab mapping (from the training split), then training (resuming from `out`'s checkpoint), then the export
-    under `out/export`. `paths`: sample id -> hidden-state file. Under torchrun (`eagle3q.eagle3.distributed`)
-    each rank runs its share of every batch and rank 0 alone writes and reports."""
+def reading_order(plans: list[list[list[int]]], starts: list[int], step: int, train: tuple[Entry, ...],
+                  val_ids: list[str]) -> Iterator[str]:
+    """The sample ids this rank reads from `step` on, in order: its share of each batch, and its share of the
+    held-out samples after each epoch's last batch (what the training loop below takes, one by one)."""
+    rank, world = rank_and_world()
+    for epoch, plan in enumerate(plans):
+        for i, batch in enumerate(plan):
+            if starts[epoch] + i < step:
+                continue
+            yield from (train[j].sample_id for j in batch[rank::world])
+            if i == len(plan) - 1:
+                yield from val_ids[rank::world]
+
+
+def train_draft(manifest: Manifest, store: Store, s: Settings, target_dir: str, progress: Progress,
+                log_every: int = 10) -> TrainResult:
+    """Vocab mapping (from the training split), then training (resuming from the store's checkpoint), then the
+    export under the run's train/export in the store. Under torchrun (`eagle3q.eagle3.distributed`) each rank runs
+    its share of every batch and rank 0 alone writes and reports."""
     run = manifest.run
     rank, world = rank_and_world()
     main = rank == 0
     if not main:
         progress = _quiet
-    out_dir, export_dir = out, out / "export"
     train, val = manifest.train, manifest.val
     if not train:
         raise RuntimeError(f"run {run} has no hidden-state files to train on")
@@ -298,10 +326,10 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
     total = sum(len(p) for p in plans)
     progress(state="vocab", step=0, total_steps=total)
     model, cfg, tensors = make_model(s, target_dir)
-    train_paths = [paths[e.sample_id] for e in train]
+    train_ids = [e.sample_id for e in train]
     if world > 1 and not main:
         _barrier()  # rank 0 builds the vocab file, the others read it
-    d2t, t2d, cov = build_vocab(train_paths, cfg.vocab_size, cfg.draft_vocab_size, out / "vocab.safetensors")
+    d2t, t2d, cov = build_vocab(store, run, train_ids, cfg.vocab_size, cfg.draft_vocab_size)
     if world > 1 and main:
         _barrier()
     log.info("run %s: %d training samples, %d held out; %d steps over %d epochs; draft vocab %d covers %.1f%% of "
@@ -309,41 +337,44 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
     head = TargetHead(tensors, t2d, cfg.rms_norm_eps)
     if s.init_lm_head:
         init_head_from_target(model, tensors, t2d)  # a checkpoint, if there is one, overwrites it below
-    meta0 = json.loads(load_meta(train_paths[0]).get("aux_layer_ids", "null")) or []
+    meta0 = list(store.hidden_header(run, train_ids[0]).meta("aux_layer_ids") or [])
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     warmup = max(1, int(s.warmup_ratio * total))
-    ckpt = out / "checkpoint.safetensors"
     step = resumed = 0
     epochs: list[dict] = []
     running = StepStats.zeros(s.ttt_steps)
-    if ckpt.is_file():
-        state = load_checkpoint(ckpt, model, opt)
+    if store.has_artifact(run, CHECKPOINT):
+        state = restore_checkpoint(store.get_artifact(run, CHECKPOINT), model, opt, store.artifact_url(run, CHECKPOINT))
         step = resumed = int(state["step"])
         epochs = state.get("epochs", [])
         if "running" in state:
             running = StepStats(**state["running"])
         log.info("run %s: resumed from step %d", run, step)
-    tb = _tensorboard(out) if main else None
-    val_paths = [paths[e.sample_id] for e in val]
+    scratch = Path(tempfile.mkdtemp(prefix=f"eagle3q-tensorboard-{run}-")) if main else None
+    tb = _tensorboard(scratch) if scratch is not None else None
+    val_ids = [e.sample_id for e in val]
 
     history: list[float] = []
     accs: list[float] = []
     t0 = time.monotonic()
     model.train()
     starts = [sum(len(p) for p in plans[:e]) for e in range(s.epochs)]
+    samples = Samples(store, run, reading_order(plans, starts, step, train, val_ids), s.train_read_ahead)
     while step < total:
         epoch = max(e for e in range(s.epochs) if starts[e] <= step)
         batch = [train[i] for i in plans[epoch][step - starts[epoch]]]
-        denom = sum(loss_positions(paths[e.sample_id], s.max_len) for e in batch) or 1
+        mine = [(e, samples.take(e.sample_id)) for e in batch[rank::world]]
+        # The batch's loss positions, summed over the ranks' shares: every rank divides by the same total.
+        denom = sum(all_reduce_floats([float(sum(loss_positions(data, s.max_len) for _, data in mine))])) or 1
         lr = s.lr * lr_lambda(step, total, warmup)  # cosine with warmup, derived from the step: resumes exactly
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         stats = StepStats.zeros(s.ttt_steps)
-        for e in batch[rank::world]:
-            scored = sample_loss(model, head, paths[e.sample_id], s)  # (loss, step stats), None for an empty one
+        for _e, data in mine:
+            scored = sample_loss(model, head, data, s)  # (loss, step stats), None for an empty one
             if scored is None:
                 continue
             (scored[0] / denom).backward()  # accumulates: the step's loss is token-weighted over the whole batch
@@ -367,14 +398,16 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
                      epoch=epoch + 1, steps_per_s=round((step - resumed) / max(time.monotonic() - t0, 1e-6), 2))
         if step == starts[epoch] + len(plans[epoch]):  # the epoch's last batch: its metrics, then validation
             record = {"epoch": epoch + 1, "train": running.summary(),
-                      "val": evaluate_files(model, head, val_paths, s).summary() if val_paths else None}
+                      "val": evaluate_samples(model, head, val_ids, samples, s).summary() if val_ids else None}
             epochs.append(record)
             running = StepStats.zeros(s.ttt_steps)
             if main:
                 _report_epoch(record, progress, tb)
-                training_curves(epochs, history, out_dir / CURVES, first_step=resumed + 1)
+                _put_curves(store, run, epochs, history, resumed)
+                _sync_tensorboard(store, run, tb, scratch)
         if main and step % s.checkpoint_every == 0 and step < total:
-            save_checkpoint(ckpt, model, opt, {"step": step, "epochs": epochs, "running": running.__dict__})
+            store.put_artifact(run, CHECKPOINT, checkpoint_bytes(model, opt, {"step": step, "epochs": epochs,
+                                                                             "running": running.__dict__}))
     if tb is not None:
         tb.close()
 
@@ -382,12 +415,30 @@ def train_draft(manifest: Manifest, paths: dict[str, Path], s: Settings, out: Pa
 
     curves = None
     if main:
-        export_draft(export_dir, model, cfg, d2t, t2d, meta0)
-        curves = training_curves(epochs, history, out_dir / CURVES, first_step=resumed + 1)
+        export_draft(store, run, model, cfg, d2t, t2d, meta0)
+        curves = _put_curves(store, run, epochs, history, resumed)
+        _sync_tensorboard(store, run, None, scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
     return TrainResult(run=run, steps=step, final_loss=history[-1] if history else float("nan"), acc=accs,
-                       export_dir=str(export_dir), resumed_from=resumed, vocab_coverage=cov, history=history[-50:],
-                       epochs=epochs, samples=len(train), val_samples=len(val),
-                       curves=str(curves) if curves else None)
+                       export_dir=store.artifact_url(run, EXPORT), resumed_from=resumed, vocab_coverage=cov,
+                       history=history[-50:], epochs=epochs, samples=len(train), val_samples=len(val), curves=curves)
+
+
+def _put_curves(store: Store, run: str, epochs: list[dict], history: list[float], resumed: int) -> str | None:
+    png = training_curves(epochs, history, first_step=resumed + 1)
+    if png is None:
+        return None
+    store.put_artifact(run, CURVES, png)
+    return store.artifact_url(run, CURVES)
+
+
+def _sync_tensorboard(store: Store, run: str, tb, scratch: Path | None) -> None:  # noqa: ANN001 - a SummaryWriter
+    """The event files, written locally as they grow, copied to the store's train/tensorboard."""
+    if scratch is None:
+        return
+    if tb is not None:
+        tb.flush()
+    store.put_dir(run, TENSORBOARD, scratch)
 
 
 def _report_epoch(record: dict, progress: Progress, tb) -> None:  # noqa: ANN001 - tb: a SummaryWriter or None
@@ -417,9 +468,3 @@ def _barrier() -> None:
 
     dist.barrier()
 
-
-def load_meta(path: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})

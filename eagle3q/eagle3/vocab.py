@@ -7,22 +7,20 @@ silently collapses."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
-from eagle3q.store import write_atomic
+from eagle3q.store import Store
+from eagle3q.store.run_store import VOCAB
 
 
-def count_tokens(files: Iterable[Path], vocab_size: int) -> torch.Tensor:
-    from safetensors import safe_open
-
+def count_tokens(store: Store, run: str, ids: Iterable[str], vocab_size: int) -> torch.Tensor:
+    """Where the loss applies, how often each target token occurs in the samples `ids` (their ids and masks only,
+    read from the store in parallel)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            ids = st.get_tensor("input_ids")
-            mask = st.get_tensor("loss_mask").bool()
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    for tok, mask in store.map_samples(lambda sid: store.hidden_tokens(run, sid), ids):
+        picked = torch.from_numpy(tok.astype("int64"))[torch.from_numpy(mask.astype(bool))]
+        counts += torch.bincount(picked, minlength=vocab_size)[:vocab_size]
     return counts
 
 
@@ -47,15 +45,26 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     return float(counts[t2d].sum()) / total if total else 0.0
 
 
-def build_vocab(files: list[Path], vocab_size: int, n: int, out: Path) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """d2t, t2d and coverage, computed once per run and kept in `out` (a resumed trainer reads them back)."""
-    from safetensors.torch import load_file, save
+def load_vocab(store: Store, run: str) -> dict[str, torch.Tensor] | None:
+    """The run's frozen vocabulary (d2t, t2d, counts, coverage), None before it was built."""
+    from safetensors.torch import load
 
-    if out.is_file():
-        t = load_file(str(out))
+    if not store.has_artifact(run, VOCAB):
+        return None
+    return load(store.get_artifact(run, VOCAB))
+
+
+def build_vocab(store: Store, run: str, ids: list[str], vocab_size: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """d2t, t2d and coverage, computed once per run from the samples `ids` and kept in the store (train/
+    vocab.safetensors: a resumed trainer reads them back)."""
+    from safetensors.torch import save
+
+    t = load_vocab(store, run)
+    if t is not None:
         return t["d2t"], t["t2d"].bool(), float(t["coverage"])
-    counts = count_tokens(files, vocab_size)
+    counts = count_tokens(store, run, ids, vocab_size)
     d2t, t2d = build_mapping(counts, n)
     cov = coverage(counts, t2d)
-    write_atomic(out, save({"d2t": d2t, "t2d": t2d, "counts": counts, "coverage": torch.tensor(cov)}))
+    store.put_artifact(run, VOCAB, save({"d2t": d2t, "t2d": t2d, "counts": counts, "coverage": torch.tensor(cov)}))
     return d2t, t2d, cov

@@ -1,6 +1,7 @@
 """One hidden-state task: extract for the task's sample and, in the same forward passes, for other accepted
 samples of similar length that are waiting (up to the token budget). Every sample still has its own queue message:
-a batched one's message later finds the file and does nothing, so batching never loses or duplicates work."""
+a batched one's message later finds the object and does nothing, so batching never loses or duplicates work.
+A sample is marked done only after its object is in the store, whole (a PUT returns once it is durable)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,7 @@ from dataclasses import dataclass
 from eagle3q.contract import HIDDEN_STATES, SampleRef
 from eagle3q.control.ledger import Ledger
 from eagle3q.eagle3.consistency import Agreement, ConsistencyCheck
-from eagle3q.eagle3.extract import (
-    Extracted,
-    TransformersExtractor,
-    check_tensors,
-    file_is_valid,
-    plan_batches,
-    write_hidden,
-)
+from eagle3q.eagle3.extract import Extracted, TransformersExtractor, check_tensors, plan_batches, to_safetensors
 from eagle3q.metrics import METRICS
 from eagle3q.prompt_keys import split_key
 from eagle3q.store import Rejection, Sample, Store
@@ -68,7 +62,7 @@ def _agreement(ctx: HiddenContext, s: Sample, ex: Extracted) -> tuple[Agreement 
     `status`."""
     if ctx.check is None:
         return None, {}
-    from eagle3q.eagle3.fp8 import as_stored
+    from eagle3q.store.fp8 import as_stored
 
     a = ctx.check.agreement(s.sample_id, s.input_ids, s.loss_mask, as_stored(ex.final, ctx.hs_dtype),
                             ctx.extractor.final_state)
@@ -90,9 +84,9 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
         _after(ctx, run)
         return "rejected:sample_missing"
     anchor = ctx.store.read_sample(run, ref.sample_id)
-    path = ctx.store.hidden_path(run, ref.sample_id)
-    if file_is_valid(path, len(anchor.input_ids)):  # written before a crash, not yet marked
-        ctx.ledger.mark_done(run, STAGE, ref.sample_id, tokens=len(anchor.input_ids), bytes=path.stat().st_size)
+    size = ctx.store.hidden_valid(run, ref.sample_id, len(anchor.input_ids))
+    if size is not None:  # written before a crash, not yet marked
+        ctx.ledger.mark_done(run, STAGE, ref.sample_id, tokens=len(anchor.input_ids), bytes=size)
         _after(ctx, run)
         return "duplicate"
 
@@ -130,10 +124,11 @@ def run_extract(ref: SampleRef, ctx: HiddenContext) -> str:
                              else ": a wrong layer, or a server that is not the generating model"))
             if reason is None:
                 try:
-                    n = write_hidden(ctx.store.hidden_path(run, s.sample_id), s.input_ids, s.loss_mask, ex,
-                                     _meta(ctx, s, agreement), ctx.hs_dtype)
+                    data = to_safetensors(s.input_ids, s.loss_mask, ex, _meta(ctx, s, agreement), ctx.hs_dtype)
                 except OverflowError:
                     reason = "hs_nonfinite"
+                else:
+                    n = ctx.store.write_hidden(run, s.sample_id, data)
             if reason is not None:
                 _reject(ctx, run, s.sample_id, reason, detail, **stats)
                 if s.sample_id == ref.sample_id:

@@ -104,9 +104,11 @@ def build_context(settings: Settings, forward: Callable[[str, str], None], concu
     rp = resolve(get_profile(settings.profile), tok.token_to_id, tok.vocab_size)  # fail at start-up, not per task
     api_key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
     ledger = Ledger.from_url(settings.broker_url())
+    store = Store.from_settings(settings)
+    store.check()  # a bucket that does not exist or wrong credentials: the worker refuses to start, nothing is marked
     ctx = InferenceContext(
         settings=settings,
-        store=Store(settings.store_dir),
+        store=store,
         ledger=ledger,
         client=VLLMClient(api_key, settings.request_timeout_s, max_connections=max(concurrency, 4),
                           base_urls=settings.vllm_base_urls),
@@ -181,9 +183,9 @@ def run_inference(task: InferenceTask, ctx: InferenceContext) -> str:
         _reject(ctx, task, "over_limit", f"max_tokens {task.sampling.max_tokens} > EAGLE3Q_MAX_TOKENS_LIMIT "
                 f"{ctx.settings.max_tokens_limit}", None)
         return "rejected:over_limit"
-    if ctx.store.has_sample(task.run, task.sample_id):  # written, but the mark was lost with a crash
-        path = ctx.store.sample_path(task.run, task.sample_id)
-        _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=path.stat().st_size)
+    size = ctx.store.sample_size(task.run, task.sample_id)
+    if size is not None:  # written, but the mark was lost with a crash
+        _accept(ctx, task, ctx.store.read_sample(task.run, task.sample_id), nbytes=size)
         return "duplicate"
 
     s = task.sampling

@@ -13,6 +13,7 @@ import httpx
 from eagle3q.dev.local import child_env
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from tests.conformance.vllm_server import MAX_MODEL_LEN, MODEL, VLLMServer
+from tests.store_paths import hidden_file
 
 ROOT = Path(__file__).parents[2]
 
@@ -41,7 +42,7 @@ def test_a_few_dozen_prompts_through_celery_against_real_vllm(kimi: VLLMServer, 
         assert s.input_ids[: s.num_prompt_tokens] == direct["prompt_token_ids"]
         assert len(s.input_ids) <= MAX_MODEL_LEN
         assert s.finish_reason == "stop" and s.reasoning
-        assert stack.store.hidden_path("real", sid).is_file()
+        assert hidden_file(stack.store, "real", sid).is_file()
 
 
 def test_first_contact_script_passes_against_real_vllm(kimi: VLLMServer) -> None:

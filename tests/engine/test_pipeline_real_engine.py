@@ -23,8 +23,9 @@ from eagle3q.dev.local import LocalStack, child_env
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.dev.vllm_engine import Engine, eagle3_args, extraction_args, start_engine
 from eagle3q.eagle3.evaluate import heldout_prompts
-from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids, load_hidden
+from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids
 from tests.engine.conftest import MODEL
+from tests.store_paths import hidden_file, load_hidden, train_dir
 
 RUN, K, MAX_NEW = "real", 3, 48
 pytestmark = pytest.mark.timeout(900)  # the first test carries the module's run: generation, extraction, training
@@ -80,16 +81,16 @@ def test_samples_and_hidden_states_are_the_real_engines(trained: LocalStack, tin
     for sid in sorted(hs_done)[:6]:
         s = trained.store.read_sample(RUN, sid)
         assert s.finish_reason == "stop" and s.reasoning
-        ours = load_hidden(trained.store.hidden_path(RUN, sid))
+        ours = load_hidden(hidden_file(trained.store, RUN, sid))
         want = ref.extract([s.input_ids])[0]
         assert torch.equal(ours["input_ids"], torch.tensor(s.input_ids))
         # vLLM's fp32 states, stored in the store's dtype: equal to transformers' within that rounding
         torch.testing.assert_close(ours["aux_hidden_states"].float(), want.aux, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(ours["hidden_state"].float(), want.final, atol=3e-2, rtol=3e-2)
-        with safe_open(str(trained.store.hidden_path(RUN, sid)), framework="pt") as f:
+        with safe_open(str(hidden_file(trained.store, RUN, sid)), framework="pt") as f:
             assert json.loads(f.metadata()["backend"]) == "vllm"
     assert not any(trained.connector.iterdir())  # type: ignore[attr-defined]  every file read and removed
-    assert (trained.store.train_dir(RUN) / "export" / "model.safetensors").is_file()
+    assert (train_dir(trained.store, RUN) / "export" / "model.safetensors").is_file()
 
 
 def test_check_extraction_on_the_real_engines(trained: LocalStack) -> None:
@@ -108,7 +109,7 @@ def test_check_extraction_on_the_real_engines(trained: LocalStack) -> None:
 @pytest.fixture(scope="module")
 def speculating(trained: LocalStack, tiny: Path, tmp_path_factory: pytest.TempPathFactory,
                 engines: list[Engine]) -> Engine:
-    export = trained.store.train_dir(RUN) / "export"
+    export = train_dir(trained.store, RUN) / "export"
     e = start_engine(tiny, tmp_path_factory.mktemp("engine-spec"), MODEL, eagle3_args(export, K), max_num_seqs=4,
                      max_model_len=4096)
     engines.append(e)
@@ -149,9 +150,9 @@ def test_vllm_acceptance_equals_eval_draft(trained: LocalStack, speculating: Eng
     rates = [float(x) for x in re.findall(r"\d:([\d.]+)", r.stdout.split("draft position:")[1].splitlines()[0])]
     assert len(rates) == K and rates == sorted(rates, reverse=True)  # a later position is never accepted more often
     # the out-of-domain prompts too (2 a category, pooled from vLLM's counters per category): vLLM agrees
-    report = json.loads((trained.store.train_dir(RUN) / "eval" / "eval.json").read_text())
+    report = json.loads((train_dir(trained.store, RUN) / "eval" / "eval.json").read_text())
     ood_served, ood = report["served"]["mean"]["out-of-domain"], report["sets"]["out-of-domain"]
     assert ood["prompts"] == 10 and abs(ood_served - ood["mean"]["trained"][str(K)]) <= 0.02, report
     assert "out-of-domain" in r.stdout
-    assert (trained.store.train_dir(RUN) / "eval" / "acceptance_by_position.png").is_file()
+    assert (train_dir(trained.store, RUN) / "eval" / "acceptance_by_position.png").is_file()
 

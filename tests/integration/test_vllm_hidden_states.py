@@ -10,7 +10,8 @@ import time
 import torch
 
 from eagle3q.dev.tiny import SAMPLE_DATASET
-from eagle3q.eagle3.extract import TransformersExtractor, load_hidden
+from eagle3q.eagle3.extract import TransformersExtractor
+from tests.store_paths import hidden_file, load_hidden, run_dir
 
 
 def test_pipeline_with_the_vllm_hidden_state_backend(stack_factory, tmp_path, tiny):  # noqa: ANN001
@@ -28,14 +29,14 @@ def test_pipeline_with_the_vllm_hidden_state_backend(stack_factory, tmp_path, ti
     ref = TransformersExtractor(str(tiny), None, "cpu", "float32")
     for sid in done:
         sample = stack.store.read_sample("hsv", sid)
-        ours = load_hidden(stack.store.hidden_path("hsv", sid))
+        ours = load_hidden(hidden_file(stack.store, "hsv", sid))
         want = ref.extract([sample.input_ids])[0]
         assert torch.equal(ours["input_ids"], torch.tensor(sample.input_ids))
         torch.testing.assert_close(ours["aux_hidden_states"].float(), want.aux, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(ours["hidden_state"].float(), want.final, atol=3e-2, rtol=3e-2)
     from safetensors import safe_open
 
-    with safe_open(str(stack.store.hidden_path("hsv", next(iter(done)))), framework="pt") as f:
+    with safe_open(str(hidden_file(stack.store, "hsv", next(iter(done)))), framework="pt") as f:
         meta = f.metadata()
     assert meta["backend"] == '"vllm"' and meta["final_state"] == '"pre_norm"'
     assert json.loads(meta["consistency"])["top1"] >= 0.9  # the simulator's greedy text, held to the sampled 0.4
@@ -64,7 +65,7 @@ def test_vllm_backend_worker_killed_mid_run_loses_nothing(stack_factory, tmp_pat
     stack.wait_settled("hskill", stages=("inference", "hidden_states"), timeout_s=180)
     c = stack.ledger.counts("hskill", "hidden_states")
     assert c.done == 40 and c.rejected == 0
-    assert len(list(stack.store.run_dir("hskill").glob("hidden/*/*.safetensors"))) == 40
+    assert len(list(run_dir(stack.store, "hskill").glob("hidden/*/*.safetensors"))) == 40
     # A request the killed worker had in flight may leave its connector file behind (status counts it); no more.
     assert len(list(connector.glob("*.safetensors"))) <= 8
 
@@ -166,7 +167,7 @@ def test_states_from_the_wrong_layer_or_shifted_are_rejected_as_inconsistent(sta
             # Everything extracted: the store's projection is what it holds.
             assert snap["store"]["samples_left"] == 0 and snap["store"]["projected_bytes"] == snap["store"]["bytes"]
             assert cons["mean_top1"] >= 0.9 and cons["checked"] == 6 and cons["inconsistent"] == 0
-            with safe_open(str(stack.store.hidden_path(name, next(iter(done)))), framework="pt") as f:
+            with safe_open(str(hidden_file(stack.store, name, next(iter(done)))), framework="pt") as f:
                 meta = json.loads(f.metadata()["consistency"])
             assert meta["top1"] >= 0.85 and meta["positions"] > 10 and meta["offset"] == 0
             continue

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from eagle3q.eagle3.peer_export import export_data
 from eagle3q.eagle3.target import load_target_tensors, target_config
+from tests.store_paths import hidden_files
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,7 +74,7 @@ def test_speculators_reads_our_fp8_export_with_its_fp8_backend(hidden_run, hidde
     from speculators.data_generation.offline import check_hidden_states
     from speculators.train.data import ArrowDataset
 
-    from eagle3q.eagle3.extract import read_hidden
+    from tests.store_paths import read_hidden
 
     out, ref = tmp_path / "speculators-fp8", tmp_path / "speculators-bf16"
     rep = export_data(hidden_run_fp8, "r", "speculators", out, str(tiny), progress=False)
@@ -83,7 +84,7 @@ def test_speculators_reads_our_fp8_export_with_its_fp8_backend(hidden_run, hidde
     transfer = FP8Backend.from_train_args(argparse.Namespace(hidden_states_path=None), str(out))
     ds = ArrowDataset(max_len=4096, datapath=out, transfer=transfer, on_missing="raise")
     plain = ArrowDataset(max_len=4096, datapath=ref, on_missing="raise")
-    files = sorted(hidden_run_fp8.hidden_files("r"), key=lambda f: f.stem)
+    files = sorted(hidden_files(hidden_run_fp8, "r"), key=lambda f: f.stem)
     tensors, eps = load_target_tensors(tiny), target_config(tiny)["rms_norm_eps"]
     for i in range(len(ds)):
         name = f"hs_{i}.safetensors"
@@ -135,7 +136,7 @@ def test_vocab_mapping_is_the_peers_bit_for_bit(hidden_run, tiny):  # noqa: ANN0
     from eagle3q.eagle3.vocab import build_mapping, count_tokens
 
     vocab = int(target_config(tiny)["vocab_size"])
-    counts = count_tokens(hidden_run.hidden_files("r"), vocab)
+    counts = count_tokens(hidden_run, "r", hidden_run.hidden_ids("r"), vocab)
     freq = {int(i): int(counts[i]) for i in torch.nonzero(counts).flatten()}  # ascending ids
     for n in (16, 64, 300):  # fewer tokens than seen, and more (filled with unseen ones)
         d2t, t2d = build_mapping(counts, n)
@@ -284,16 +285,17 @@ def test_the_peers_read_the_held_out_split_and_the_vocabulary(hidden_run, tmp_pa
     from speculators.train.cli import parse_vocab_mappings
     from speculators.train.data import ArrowDataset
 
-    from eagle3q.eagle3.extract import load_hidden
     from eagle3q.eagle3.manifest import entry_for, is_validation
     from eagle3q.eagle3.vocab import build_mapping, count_tokens
+    from tests.store_paths import load_hidden
 
-    files = hidden_run.hidden_files("r")
+    files = hidden_files(hidden_run, "r")
     tokens = {p.stem: tuple(load_hidden(p)["input_ids"].tolist()) for p in files}
-    held = {p.stem for p in files if is_validation(entry_for(hidden_run, "r", p).split_key, 0.5)}
+    held = {p.stem for p in files if is_validation(entry_for(hidden_run, "r", p.stem).split_key, 0.5)}
     assert 0 < len(held) < len(files)
     want_held = {tokens[s] for s in held}
-    counts = count_tokens([p for p in files if p.stem not in held], int(target_config(tiny)["vocab_size"]))
+    counts = count_tokens(hidden_run, "r", [p.stem for p in files if p.stem not in held],
+                          int(target_config(tiny)["vocab_size"]))
     d2t, t2d = build_mapping(counts, 64)
 
     out = tmp_path / "speculators"

@@ -7,6 +7,7 @@ import time
 
 from eagle3q.dev.tiny import SAMPLE_DATASET, build_model, build_tokenizer
 from eagle3q.status import render, snapshot
+from tests.store_paths import run_dir
 
 
 def _wait_exit(proc, timeout_s: float = 90) -> int:  # noqa: ANN001
@@ -63,6 +64,6 @@ def test_a_sample_failing_the_same_way_every_time_is_rejected_by_name(stack_fact
     inf, hs = stack.ledger.counts("bug", "inference"), stack.ledger.counts("bug", "hidden_states")
     assert inf.done == 6 and hs.incoming == 6
     assert hs.rejected == 6 and hs.reasons == {"task_error": 6}, hs
-    files = list((stack.store.run_dir("bug") / "rejected" / "hidden_states").glob("*/*.json"))
+    files = list((run_dir(stack.store, "bug") / "rejected" / "hidden_states").glob("*/*.json"))
     assert len(files) == 6 and all("IndexError" in f.read_text() for f in files)
     assert snapshot(stack.ledger, "bug")["stages"]["hidden_states"]["task_errors"] == 6 * 3  # 1 try + 2 retries

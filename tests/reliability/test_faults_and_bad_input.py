@@ -82,10 +82,13 @@ def test_bad_data_sets_report_rows_and_the_rest_runs(stack_factory, tmp_path: Pa
 
 
 def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path: Path, assert_accounted):  # noqa: ANN001
+    """The store fails after the worker started (a mount lost mid-run; at start the worker refuses it, see
+    test_store_s3): every write is retried, counted and loud, and nothing is marked until it is back."""
     blocked = tmp_path / "store-blocked"
-    blocked.write_text("a file where the store directory should be")  # root ignores permissions; this it cannot
     stack = stack_factory(env={"EAGLE3Q_STORE_DIR": str(blocked)})
     w = stack.worker("inference", concurrency=4)
+    blocked.rmdir()
+    blocked.write_text("a file where the store directory should be")  # root ignores permissions; this it cannot
     stack.enqueue(SAMPLE_DATASET, "disk", max_samples=8)
     deadline = time.monotonic() + 60
     while stack.ledger.counts("disk", "inference").stats.get("store_errors", 0) < 8 and time.monotonic() < deadline:
@@ -96,7 +99,6 @@ def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path:
     blocked.unlink()  # the operator fixes the mount: the kept tasks finish by themselves
     blocked.mkdir()
     stack.wait_settled("disk", timeout_s=120)
-    stack.store.root = blocked
     done, rejected = assert_accounted(stack, "disk")
     assert len(done) == 8 and not rejected
     json.dumps(c.stats)

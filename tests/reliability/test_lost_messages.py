@@ -10,6 +10,7 @@ import json
 import time
 
 from eagle3q.dev.tiny import SAMPLE_DATASET
+from tests.store_paths import train_dir
 
 FAST_SWEEP = {"EAGLE3Q_RECONCILE_PERIOD_S": "0.5", "EAGLE3Q_RECONCILE_GRACE_S": "1.5"}
 
@@ -66,4 +67,4 @@ def test_lost_training_task_is_sent_again_and_trains_once(stack_factory):  # noq
         time.sleep(0.2)
     assert stack.ledger.train_progress("lost_train").get("state") == "done"
     assert _stat(stack, "lost_train", "train", "resent_lost") == 1
-    assert (stack.store.train_dir("lost_train") / "result.json").is_file()
+    assert (train_dir(stack.store, "lost_train") / "result.json").is_file()

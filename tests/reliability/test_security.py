@@ -60,7 +60,7 @@ def test_pickle_and_forged_messages_are_refused(stack_factory):  # noqa: ANN001
     log = w.log.read_text()
     assert "Refusing to deserialize untrusted content of type pickle" in log
     assert log.count("refused a InferenceTask message") == 10
-    assert not stack.store.root.exists() or not any(stack.store.root.rglob("*.json"))
+    assert not stack.store.blobs.root.exists() or not any(stack.store.blobs.root.rglob("*.json"))
     assert not stack.broker.keys("e3q:sec:*") and not stack.broker.keys("e3q:../*")
 
     # Schema-valid but never registered by the producer: an invented id, an altered payload, a GPU-stage ref to a
@@ -83,7 +83,7 @@ def test_pickle_and_forged_messages_are_refused(stack_factory):  # noqa: ANN001
     assert "refused forged/" in hs.log.read_text() and "never triggered" in tr.log.read_text()
     assert not stack.ledger.run_exists("forged") and not stack.broker.keys("e3q:forged:*")
     assert stack.ledger.enqueued_ids("sec") == set() and stack.ledger.counts("sec", "inference").done == 0
-    assert not stack.store.root.exists() or not any(stack.store.root.rglob("*.json"))
+    assert not stack.store.blobs.root.exists() or not any(stack.store.blobs.root.rglob("*.json"))
 
     # the worker is fine and does real work afterwards
     stack.app.send_task(TASK_GENERATE, args=[good])
@@ -188,7 +188,7 @@ def test_no_secret_in_redis_values_or_command_lines(stack_factory):  # noqa: ANN
             continue
         for secret in secrets:
             assert secret.encode() not in cmdline, cmdline
-    for path in stack.store.root.rglob("*"):
+    for path in stack.store.blobs.root.rglob("*"):
         if path.is_file() and path.suffix == ".json":
             text = path.read_text(errors="replace")
             assert not any(secret in text for secret in secrets), path
@@ -222,7 +222,7 @@ def test_signed_deployment_refuses_unsigned_and_badly_signed_tasks(stack_factory
     for run in ("unsigned", "wrongkey"):
         c = stack.ledger.counts(run, "inference")
         assert c.done == c.rejected == 0 and c.pending == 2  # still queued in the counts: nothing ran
-        assert not (stack.store.root / run).exists()
+        assert not (stack.store.blobs.root / run).exists()
 
 
 def test_generation_settings_over_the_workers_limit_are_rejected_by_name(stack_factory, assert_accounted):  # noqa: ANN001

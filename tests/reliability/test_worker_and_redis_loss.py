@@ -10,6 +10,7 @@ import pytest
 
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.generate.endpoints import parse_gauge
+from tests.store_paths import run_dir, train_dir
 
 
 def _running(url: str) -> float:
@@ -34,7 +35,7 @@ def test_sigkill_inference_worker_mid_request(stack_factory, assert_accounted): 
     stack.wait_settled("kill", timeout_s=120)
     done, rejected = assert_accounted(stack, "kill")
     assert len(done) == 16 and not rejected  # redelivered and finished once: no duplicates, no double counts
-    files = list((stack.store.run_dir("kill") / "samples").glob("*/*"))
+    files = list((run_dir(stack.store, "kill") / "samples").glob("*/*"))
     assert len(files) == 16  # no stray temp files either
 
 
@@ -95,11 +96,11 @@ def test_sigkill_trainer_mid_training_resumes_and_trains_once(stack_factory):  #
         time.sleep(0.1)
     assert int(stack.ledger.train_progress("tkill")["step"]) >= 25
     trainer.kill(signal.SIGKILL)
-    assert not (stack.store.train_dir("tkill") / "result.json").exists()
+    assert not (train_dir(stack.store, "tkill") / "result.json").exists()
     stack.worker("train")
     deadline = time.monotonic() + 240
     while stack.ledger.train_progress("tkill").get("state") != "done" and time.monotonic() < deadline:
         time.sleep(0.5)
-    result = json.loads((stack.store.train_dir("tkill") / "result.json").read_text())
+    result = json.loads((train_dir(stack.store, "tkill") / "result.json").read_text())
     assert result["resumed_from"] >= 20 and result["steps"] == 8 * 30  # resumed, not restarted
     assert stack.ledger.train_fired("tkill")

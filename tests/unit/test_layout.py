@@ -85,3 +85,64 @@ def test_the_package_has_no_import_cycles_lazy_imports_included():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+# Modules that open files, and why none of them is a run's file: those go through eagle3q.store only.
+FILE_IO_ALLOWED = {
+    "cli.py": "eval-draft's scratch directory (a fetched export)",
+    "dev/demo.py": "the tiny target's config",
+    "dev/local.py": "worker and server logs",
+    "dev/s3_local.py": "the local S3 server's log and its front's refuse flag",
+    "dev/speculators_cpu.py": "the peer trainer's own directory and log",
+    "dev/tiny.py": "builds the tiny target model",
+    "dev/vllm_cpu_connector.py": "vLLM's connector lock files, on vLLM's disk",
+    "dev/vllm_engine.py": "vLLM's log",
+    "eagle3/estimate.py": "the target's config",
+    "eagle3/evaluate.py": "a data set's prompts, and eval-draft --out (a directory the user names)",
+    "eagle3/export.py": "load_exported reads a draft directory as vLLM does",
+    "eagle3/peer_export.py": "a peer trainer's layout, in the local directory that trainer reads",
+    "eagle3/target.py": "the target model's files",
+    "eagle3/training.py": "TensorBoard's local scratch directory (copied to the store each epoch)",
+    "eagle3/vllm_extract.py": "the connector's files on vLLM's machine: read, put in the store, deleted",
+    "sim/hidden_states.py": "the simulator writes connector files where vLLM would",
+    "sources.py": "data sets",
+    "status.py": "the connector's directory (its backlog)",
+}
+IO_CALLS = {"open", "safe_open", "load_file", "save_file", "write_atomic", "read_bytes", "write_bytes", "read_text",
+            "write_text", "unlink", "rmtree", "copytree", "mkstemp", "rglob", "glob", "iterdir"}
+STORE_LOCATION = {"store_dir", "store_url", "store_location", "blobs"}
+
+
+def _file_io(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+            if name in IO_CALLS or (owner, name) in {("torch", "save"), ("torch", "load"), ("os", "replace")}:
+                out.add(f"{owner}.{name}" if owner in ("torch", "os") else name)
+    return out
+
+
+def test_nothing_outside_the_store_opens_a_runs_files():
+    """The store is the one seam (issue 36): no module but eagle3q.store (and the settings that define them) reads
+    where the store is, or reaches its byte layer, so none can build a run's path; and only modules with a reason
+    here open files at all."""
+    modules = {p.relative_to(PKG).as_posix(): p for p in _modules(exclude="store")}
+    assert len(modules) > 50 and "stages/hidden_states.py" in modules
+    locating, opening = [], []
+    for rel, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text())
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & STORE_LOCATION
+        if attrs and rel != "config.py":
+            locating.append(f"{rel}: {sorted(attrs)}")
+        if "eagle3q.store.blobs" in _imports(path) and rel != "config.py":
+            locating.append(f"{rel}: imports the byte layer")
+        io = _file_io(tree)
+        if io and rel not in FILE_IO_ALLOWED:
+            opening.append(f"{rel}: {sorted(io)}")
+    assert not locating, f"only eagle3q.store knows where the store is: {locating}"
+    assert not opening, f"file I/O outside the store, with no reason in FILE_IO_ALLOWED: {opening}"
+    stale = [m for m in FILE_IO_ALLOWED if m not in modules or not _file_io(ast.parse(modules[m].read_text()))]
+    assert not stale, f"allowed but no longer opening files: {stale}"

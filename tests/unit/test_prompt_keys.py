@@ -79,7 +79,7 @@ def test_greedy_runs_send_a_repeated_prompt_once_and_sampled_runs_send_all(redis
 
 
 def test_the_split_keeps_every_repeat_of_a_prompt_on_one_side(tiny, tmp_path):  # noqa: ANN001
-    from eagle3q.eagle3.extract import Extracted, write_hidden
+    from eagle3q.eagle3.extract import Extracted, to_safetensors
     from eagle3q.eagle3.manifest import load_or_create, split_report
     from eagle3q.store import Store
 
@@ -89,8 +89,9 @@ def test_the_split_keeps_every_repeat_of_a_prompt_on_one_side(tiny, tmp_path):  
     for row, text in enumerate(prompts):
         ids = list(range(3, 13))
         ex = Extracted(torch.zeros(10, 3 * h), torch.zeros(10, h))
-        write_hidden(store.hidden_path("r", f"{row:032x}"), ids, [0] * 4 + [1] * 6, ex,
-                     {"dataset": "d", "row": row, "split_key": split_key([{"role": "user", "content": text}])})
+        store.write_hidden("r", f"{row:032x}", to_safetensors(
+            ids, [0] * 4 + [1] * 6, ex,
+            {"dataset": "d", "row": row, "split_key": split_key([{"role": "user", "content": text}])}))
     m = load_or_create(store, "r", 0.3)
     side = {}
     for e in (*m.train, *m.val):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3q.status import render, store_projection
+from eagle3q.store import Store
 
 
 def _stages(incoming: int, inf_rejected: int, done: int, hs_rejected: int, nbytes: int) -> dict:
@@ -15,10 +16,10 @@ def _stages(incoming: int, inf_rejected: int, done: int, hs_rejected: int, nbyte
 
 def test_projection_counts_only_the_samples_still_to_extract(tmp_path: Path) -> None:
     # 1000 enqueued, 50 rejected at inference, 100 extracted (1 MB each), 10 rejected at extraction: 840 left.
-    p = store_projection(_stages(1000, 50, 100, 10, 100_000_000), str(tmp_path))
+    p = store_projection(_stages(1000, 50, 100, 10, 100_000_000), Store(tmp_path).free_bytes())
     assert p["samples_left"] == 840 and p["projected_bytes"] == 100_000_000 + 840 * 1_000_000
     assert p["free_bytes"] > 0 and p["fits"] is True
-    assert store_projection(_stages(1000, 0, 0, 0, 0), str(tmp_path)) is None  # nothing to project from yet
+    assert store_projection(_stages(1000, 0, 0, 0, 0), 10**9) is None  # nothing to project from yet
 
 
 def test_a_store_too_small_for_the_run_is_a_red_line(tmp_path: Path) -> None:
@@ -26,7 +27,8 @@ def test_a_store_too_small_for_the_run_is_a_red_line(tmp_path: Path) -> None:
 
     free = shutil.disk_usage(tmp_path).free
     # Each sample is a tenth of the free space: 100 left cannot fit.
-    p = store_projection(_stages(110, 0, 10, 0, 10 * (free // 10)), str(tmp_path))
+    p = store_projection(_stages(110, 0, 10, 0, 10 * (free // 10)), Store(tmp_path).free_bytes())
+    assert store_projection(_stages(110, 0, 10, 0, 10), None)["fits"] is None  # an object store: no limit to meet
     assert p["fits"] is False
     row = {"incoming": 110, "done": 10, "rejected": 0, "pending": 100, "reasons": {}, "rate_per_s": 0.1,
            "eta_s": 1000.0, "tokens_per_s": 1.0, "bytes": 0, "bytes_per_token": None, "retries": {},

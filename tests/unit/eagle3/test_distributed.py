@@ -11,6 +11,7 @@ import pytest
 from eagle3q.config import Settings
 from eagle3q.stages.train import train_run
 from eagle3q.store import Store
+from tests.store_paths import run_dir, train_dir
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def two_stores(hidden_run, tmp_path):  # noqa: ANN001, ANN201
     stores = []
     for name in ("one", "two"):
         dst = tmp_path / name / "r" / "hidden"
-        shutil.copytree(hidden_run.root / "r" / "hidden", dst)
+        shutil.copytree(run_dir(hidden_run, "r") / "hidden", dst)
         stores.append(Store(tmp_path / name))
     return stores
 
@@ -37,5 +38,5 @@ def test_two_gloo_ranks_follow_the_single_process_loss_curve(two_stores, tiny): 
         return [a for e in r.epochs for a in e["train"]["acc"]]
 
     assert len(ddp.epochs) == 3 and accs(ddp) == pytest.approx(accs(single), abs=1e-6)
-    assert (two.train_dir("r") / "export" / "model.safetensors").is_file()  # rank 0 exported
-    assert json.loads((two.train_dir("r") / "ddp-result.json").read_text())["world_size"] == 2
+    assert (train_dir(two, "r") / "export" / "model.safetensors").is_file()  # rank 0 exported
+    assert json.loads((train_dir(two, "r") / "ddp-result.json").read_text())["world_size"] == 2

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -12,12 +10,11 @@ from eagle3q.eagle3.extract import (
     check_aux_ids,
     check_tensors,
     default_aux_ids,
-    file_is_valid,
     from_layer_indices,
-    load_hidden,
     plan_batches,
-    write_hidden,
+    to_safetensors,
 )
+from eagle3q.store import Store
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +118,20 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
     ids = list(range(40, 60))
     ex = extractor.extract([ids])[0]
     assert check_tensors(ids, ex, extractor.hidden_size) is None
-    path = tmp_path / "s.safetensors"
-    n = write_hidden(path, ids, [0] * 5 + [1] * 15, ex,
-                     {"aux_layer_ids": [2, 4, 5], "final_state": extractor.final_state})
-    assert n == path.stat().st_size and file_is_valid(path, 20) and not file_is_valid(path, 21)
-    t = load_hidden(path)
+    store = Store(tmp_path)
+    n = store.write_hidden("r", "s", to_safetensors(ids, [0] * 5 + [1] * 15, ex,
+                                                   {"aux_layer_ids": [2, 4, 5], "final_state": extractor.final_state}))
+    assert store.hidden_valid("r", "s", 20) == n and store.hidden_valid("r", "s", 21) is None
+    t = store.read_hidden("r", "s")[0]
     assert t["aux_hidden_states"].dtype == t["hidden_state"].dtype == torch.bfloat16
     assert t["input_ids"].tolist() == ids and t["loss_mask"].sum() == 15
     assert t["aux_hidden_states"].shape == (20, 3 * extractor.hidden_size)
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        assert json.loads(f.metadata()["aux_layer_ids"]) == [2, 4, 5]
+    assert store.hidden_header("r", "s").meta("aux_layer_ids") == [2, 4, 5]
+    tok, mask = store.hidden_tokens("r", "s")  # ranged reads, no states decoded
+    assert tok.tolist() == ids and mask.tolist() == [0] * 5 + [1] * 15
+    # A truncated object (what a non-atomic writer could leave) is not valid, whatever its header says.
+    store.blobs.put(store.hidden_key("r", "cut"), store.hidden_bytes("r", "s")[:-7])
+    assert store.hidden_valid("r", "cut", 20) is None
 
     bad = type(ex)(ex.aux.clone(), ex.final.clone())
     bad.aux[3, 0] = float("nan")
@@ -140,8 +139,7 @@ def test_file_format_and_validation(extractor, tmp_path):  # noqa: ANN001
     assert check_tensors(ids[:-1], ex, extractor.hidden_size) == "hs_length_mismatch"
     huge = type(ex)(ex.aux * 1e39, ex.final)  # finite in float32? no: inf after scaling -> refused either way
     with pytest.raises(OverflowError):
-        write_hidden(tmp_path / "x.safetensors", ids, [1] * 20, huge, {})
-    assert not (tmp_path / "x.safetensors").exists()
+        to_safetensors(ids, [1] * 20, huge, {})
 
 
 def test_fp8_files_hold_half_the_bytes_and_restore_within_e4m3_rounding(extractor, tmp_path):  # noqa: ANN001
@@ -149,22 +147,24 @@ def test_fp8_files_hold_half_the_bytes_and_restore_within_e4m3_rounding(extracto
     rounding (3 mantissa bits: <= 1/16 of a value, and a scale's step near zero), the same ids and mask, and the
     size that `bytes_per_token` promises."""
     from eagle3q.eagle3.estimate import bytes_per_token
-    from eagle3q.eagle3.extract import read_hidden, stored_dtype
+    from eagle3q.store.hidden_format import stored_dtype
 
     ids = list(range(7, 207))
     ex = extractor.extract([ids])[0]
     ex = type(ex)(ex.aux.clone(), ex.final.clone())
     ex.final[5] *= 300  # a token with an outlier: its own scale, the other tokens keep theirs
     meta = {"aux_layer_ids": extractor.aux_ids, "final_state": extractor.final_state}
-    sizes = {d: write_hidden(tmp_path / f"{d}.safetensors", ids, [0] * 20 + [1] * 180, ex, meta, d)
+    store = Store(tmp_path)
+    sizes = {d: store.write_hidden("r", d, to_safetensors(ids, [0] * 20 + [1] * 180, ex, meta, d))
              for d in ("bf16", "fp8")}
     h = extractor.hidden_size
     for d, n in sizes.items():
         header = n - 200 * bytes_per_token(h, hs_dtype=d)
         assert 0 < header < 2000, (d, n)  # the rest is the safetensors header (names, shapes, metadata)
     assert 0.5 < sizes["fp8"] / sizes["bf16"] < 0.6  # H=64: (4 x 68 + 9) / (8 x 64 + 9) = 0.54; Kimi: 0.50
-    assert stored_dtype(tmp_path / "fp8.safetensors") == "fp8" and stored_dtype(tmp_path / "bf16.safetensors") == "bf16"
-    t, final_state = read_hidden(tmp_path / "fp8.safetensors")
+    assert stored_dtype(store.hidden_header("r", "fp8")) == "fp8"
+    assert stored_dtype(store.hidden_header("r", "bf16")) == "bf16"
+    t, final_state = store.read_hidden("r", "fp8")
     assert final_state == extractor.final_state and t["input_ids"].tolist() == ids and int(t["loss_mask"].sum()) == 180
     for key, want, layers in (("aux_hidden_states", ex.aux, 3), ("hidden_state", ex.final, 1)):
         got = t[key]
@@ -176,13 +176,12 @@ def test_fp8_files_hold_half_the_bytes_and_restore_within_e4m3_rounding(extracto
         assert rel < 0.05, (key, rel)
     # The outlier token did not cost the others their precision (a scale per token, not per file).
     assert (t["hidden_state"][6] - ex.final[6]).abs().max() <= ex.final[6].abs().max() / 16
-    raw, _ = read_hidden(tmp_path / "fp8.safetensors", restore=False)
+    raw, _ = store.read_hidden("r", "fp8", restore=False)
     assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
     assert raw["aux_hidden_states_scales"].shape == (200, 3, 1)
     assert raw["hidden_state_scales"].dtype == torch.float32 and raw["hidden_state_scales"].shape == (200, 1, 1)
-    assert load_hidden(tmp_path / "fp8.safetensors")["hidden_state"].dtype == torch.float32
     with pytest.raises(ValueError, match="bf16 or fp8"):
-        write_hidden(tmp_path / "x.safetensors", ids, [1] * 200, ex, meta, "int4")
+        to_safetensors(ids, [1] * 200, ex, meta, "int4")
 
 
 def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypatch):  # noqa: ANN001

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3q.eagle3.extract import TransformersExtractor, load_hidden, write_hidden
+from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
 from eagle3q.eagle3.peer_export import ExportError, export_data
 from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+from tests.store_paths import hidden_file, load_hidden
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def test_speculators_layout(run_store, tmp_path, tiny):  # noqa: ANN001
     ds = datasets.load_from_disk(str(out))
     assert len(ds) == 5 and set(ds.column_names) == {"input_ids", "loss_mask", "seq_len"}
     for i, sid in enumerate(order):
-        ours = load_hidden(run_store.hidden_path("r", sid))
+        ours = load_hidden(hidden_file(run_store, "r", sid))
         theirs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
         assert set(theirs) == {"token_ids", "hidden_states"}
         assert theirs["token_ids"].dtype == torch.int64 and theirs["hidden_states"].dtype == torch.bfloat16
@@ -53,9 +54,9 @@ def test_specforge_layout_is_post_norm(run_store, tmp_path, tiny):  # noqa: ANN0
     order = json.loads((out / "eagle3q-export.json").read_text())["ids"]
     tensors = load_target_tensors(tiny)
     eps = target_config(tiny)["rms_norm_eps"]
-    assert len(order) == len(run_store.hidden_files("r")) > 0
+    assert len(order) == len(run_store.hidden_ids("r")) > 0
     for i, sid in enumerate(order):
-        ours = load_hidden(run_store.hidden_path("r", sid))
+        ours = load_hidden(hidden_file(run_store, "r", sid))
         raw = torch.load(_specforge_file(out, i), weights_only=True)
         assert set(raw) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
         t, h = ours["input_ids"].numel(), ours["hidden_state"].shape[-1]
@@ -74,19 +75,19 @@ def test_resume_keeps_the_order_and_appends_new_samples(run_store, tmp_path, tin
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     ids = list(range(50, 70))
     new = "0" * 31 + "a"  # sorts before the others: it must still go to the end
-    write_hidden(run_store.hidden_path("r", new), ids, [0] * 4 + [1] * 16, ex.extract([ids])[0],
-                 {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state})
+    run_store.write_hidden("r", new, to_safetensors(ids, [0] * 4 + [1] * 16, ex.extract([ids])[0],
+                                                    {"aux_layer_ids": ex.aux_ids, "final_state": ex.final_state}))
     rep = export_data(run_store, "r", "specforge", out, str(tiny), progress=False)
     order = json.loads((out / "eagle3q-export.json").read_text())["ids"]
     assert order[:5] == first and order[5:] == [new]  # frozen order, the new sample at the end
     assert (rep.written, rep.skipped) == (2, 4) and _specforge_file(out, 0).stat().st_mtime_ns == stamp
-    run_store.hidden_path("r", new).unlink()
+    hidden_file(run_store, "r", new).unlink()
 
 
 def test_bad_requests_are_clear_errors(run_store, tmp_path, tiny):  # noqa: ANN001
     with pytest.raises(ExportError, match="format must be one of"):
         export_data(run_store, "r", "eagle", tmp_path / "x", str(tiny), progress=False)
-    with pytest.raises(ExportError, match="no hidden-state files"):
+    with pytest.raises(ExportError, match="no hidden-state objects"):
         export_data(run_store, "nope", "speculators", tmp_path / "y", str(tiny), progress=False)
     export_data(run_store, "r", "specforge", tmp_path / "z", str(tiny), progress=False)
     with pytest.raises(ExportError, match="choose another directory"):

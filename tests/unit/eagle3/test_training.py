@@ -12,7 +12,7 @@ from eagle3q.config import Settings
 from eagle3q.dev.samples import write_samples
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.eagle3.export import MIDLAYER_KEYS, REQUIRED_KEYS, aux_ids_as_vllm_reads, load_exported
-from eagle3q.eagle3.extract import write_hidden
+from eagle3q.eagle3.extract import to_safetensors
 from eagle3q.eagle3.model import NORM_FLAGS
 from eagle3q.eagle3.target import load_target_tensors
 from eagle3q.eagle3.vocab import build_mapping, coverage, draft_to_target
@@ -21,6 +21,7 @@ from eagle3q.generate.templates import render_prompt
 from eagle3q.sources import Prompt, iter_prompts
 from eagle3q.stages.train import train_run
 from eagle3q.store import Store
+from tests.store_paths import train_dir
 
 
 def test_vocab_mapping():
@@ -48,12 +49,12 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
     s = Settings(store_dir=tmp_path / "store", target_model=str(tiny), draft_vocab_size=512, epochs=1, lr=3e-3,
                  checkpoint_every=20, train_batch_tokens=1, val_fraction=0.0)
     first = train_run("t", s, store)
-    assert first.steps == 48 and (store.train_dir("t") / "checkpoint.safetensors").is_file()
+    assert first.steps == 48 and (train_dir(store, "t") / "checkpoint.safetensors").is_file()
 
     # The export is what vLLM loads: check every key and shape.
     from safetensors.torch import load_file
 
-    export = store.train_dir("t") / "export"
+    export = train_dir(store, "t") / "export"
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 512 and cfg["target_hidden_size"] == 64 and cfg["num_hidden_layers"] == 1
@@ -83,7 +84,7 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
     # A finished run is not trained twice (a redelivered task)...
     assert train_run("t", s, store).skipped
     # ... and an interrupted one resumes from its checkpoint instead of starting over.
-    (store.train_dir("t") / "result.json").unlink()
+    (train_dir(store, "t") / "result.json").unlink()
     s3 = s.model_copy(update={"epochs": 3})
     # not under another draft layout, which would take the weights it shares and resume a different model
     with pytest.raises(ValueError, match="set EAGLE3Q_DRAFT_NORMS=speculators"):
@@ -108,7 +109,7 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
     # the curves a user looks at, in TensorBoard's own reader
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(store.train_dir("q") / "tensorboard"))
+    ea = EventAccumulator(str(train_dir(store, "q") / "tensorboard"))
     ea.Reload()
     assert len(ea.Scalars("train/loss")) == r.steps and len(ea.Scalars("val/acc_step0")) == s.epochs
     assert ea.Scalars("val/acc_step0")[-1].value == pytest.approx(r.epochs[-1]["val"]["acc"][0], abs=1e-4)
@@ -116,7 +117,7 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
                              max_new=32)
     assert table["trained"][3] > table["bigram"][3] + 0.3, table
     # the pictures: training curves beside the event files, and acceptance by draft position
-    png = store.train_dir("q") / "curves.png"
+    png = train_dir(store, "q") / "curves.png"
     assert r.curves == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # out-of-domain prompts, by category: the group is the pooled rounds of its members, not a mean of means
@@ -153,8 +154,8 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
             rounds.append(n + 1)
             aux = aux_all[: len(seq) - 1]
         assert rounds == replayed
-    pos = plot_positions(res, tmp_path / "positions.png")
-    assert pos is not None and pos.read_bytes()[:4] == b"\x89PNG"
+    pos = plot_positions(res)
+    assert pos is not None and pos[:4] == b"\x89PNG"
 
 
 def sim_prompt(tiny, text: str) -> list[int]:  # noqa: ANN001
@@ -198,10 +199,10 @@ def test_bigram_table_follows_the_most_common_successor(tmp_path):  # noqa: ANN0
     from eagle3q.eagle3.extract import Extracted
 
     ids = [1, 2, 3, 2, 3, 2, 4, 9]
-    path = tmp_path / "s.safetensors"
+    store = Store(tmp_path)
     ex = Extracted(torch.zeros(len(ids), 6), torch.zeros(len(ids), 2))
-    write_hidden(path, ids, [0, 1, 1, 1, 1, 1, 1, 1], ex, {})
-    bigram = Bigram.from_files([path])
+    store.write_hidden("r", "s", to_safetensors(ids, [0, 1, 1, 1, 1, 1, 1, 1], ex, {}))
+    bigram = Bigram.from_tokens([store.hidden_tokens("r", "s")])
     assert bigram.table[2] == 3 and bigram.table[3] == 2 and bigram.table[4] == 9
     assert bigram([5, 2], torch.zeros(0), 3) == [3, 2, 3]
 
@@ -229,13 +230,12 @@ def test_resume_is_exact_while_hidden_states_keep_arriving(tiny, tmp_path):  # n
             raise Killed
 
     m = load_or_create(b, "x", s.val_fraction)
-    paths = {e.sample_id: b.hidden_path("x", e.sample_id) for e in m.train}
     with pytest.raises(Killed):
-        train_draft(m, paths, s, b.train_dir("x"), str(tiny), dies_at_step_7, log_every=1)
+        train_draft(m, b, s, str(tiny), dies_at_step_7, log_every=1)
     make_run(tiny, b, "x", n=32)  # 8 more samples arrive before the next trainer starts
     resumed = train_run("x", s, b)
     assert resumed.resumed_from == 5 and resumed.steps == full.steps and resumed.samples == full.samples == 24
-    wa = load_file(str(a.train_dir("x") / "export" / "model.safetensors"))
-    wb = load_file(str(b.train_dir("x") / "export" / "model.safetensors"))
+    wa = load_file(str(train_dir(a, "x") / "export" / "model.safetensors"))
+    wb = load_file(str(train_dir(b, "x") / "export" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k].float(), wb[k].float(), atol=1e-6, rtol=0, msg=k)
