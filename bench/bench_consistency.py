@@ -11,8 +11,8 @@ import torch
 from common import report, workdir
 from safetensors.torch import save_file
 
-from eagle3q.eagle3.consistency import ConsistencyCheck
-from eagle3q.eagle3.extract import Extracted, to_safetensors
+from eagle3q.extraction.consistency import ConsistencyCheck
+from eagle3q.extraction.transformers_backend import Extracted, to_safetensors
 from eagle3q.store import Store
 
 VOCAB, HIDDEN, TOKENS, PROMPT = 163_840, 7_168, 3_000, 200

@@ -12,7 +12,7 @@ import time
 import torch
 from common import report, workdir
 
-from eagle3q.eagle3.extract import TransformersExtractor, check_tensors, plan_batches, to_safetensors
+from eagle3q.extraction.transformers_backend import TransformersExtractor, check_tensors, plan_batches, to_safetensors
 
 
 def main() -> dict:
@@ -95,7 +95,7 @@ def bare_one_by_one(ex: TransformersExtractor, samples: list[list[int]]) -> floa
 
 def vllm_path(base, samples: list[list[int]]) -> float:  # noqa: ANN001 - base: Path
     from eagle3q.dev.local import start_sim
-    from eagle3q.eagle3.vllm_extract import VllmExtractor
+    from eagle3q.extraction.vllm_backend import VllmExtractor
 
     proc, url = start_sim(str(base / "target"), base / "logs",
                           extra=["--target-model", str(base / "target"), "--hs-dir", str(base / "connector")])

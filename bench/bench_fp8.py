@@ -7,7 +7,7 @@
 4. the demo's draft trained twice on the same samples (the demo's pipeline and settings: the simulator generating
    greedily with the tiny target, bf16 files, and an fp8 copy of each, which is the file an fp8 worker writes: it
    quantizes the same bf16 tensors), acceptance on the same held-out prompts at k = 1..5. `--engine vllm`: also
-   measured by vLLM's engine speculating with each export (its counters, `eagle3q.eagle3.served_eval`).
+   measured by vLLM's engine speculating with each export (its counters, `eagle3q.evaluation.served`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from common import report, workdir
 
-from eagle3q.eagle3.extract import Extracted, to_safetensors
+from eagle3q.extraction.transformers_backend import Extracted, to_safetensors
 from eagle3q.store import Store
 from eagle3q.store.fp8 import dequantize, quantize
 
@@ -75,7 +75,7 @@ def scale_error(ex: Extracted, h: int) -> dict:
 def extraction(tiny: Path, n: int = 24) -> dict:
     import random
 
-    from eagle3q.eagle3.extract import TransformersExtractor, check_tensors
+    from eagle3q.extraction.transformers_backend import TransformersExtractor, check_tensors
 
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     rng = random.Random(0)
@@ -128,9 +128,9 @@ def _fp8_copy(src: Path, dst: Path, run: str) -> None:
 def acceptance(base: Path, tiny: Path, engine: str) -> dict:
     from eagle3q.config import Settings
     from eagle3q.dev.demo import SERVED_KS, TRAIN_ENV
-    from eagle3q.eagle3.evaluate import acceptance_table, heldout_prompts
-    from eagle3q.eagle3.manifest import load_or_create
-    from eagle3q.eagle3.training import train_draft
+    from eagle3q.draft.manifest import load_or_create
+    from eagle3q.draft.training import train_draft
+    from eagle3q.evaluation.offline import acceptance_table, heldout_prompts
     from eagle3q.store import Store
 
     run = "fp8bench"
@@ -152,7 +152,7 @@ def acceptance(base: Path, tiny: Path, engine: str) -> dict:
         table = acceptance_table(str(tiny), str(export), prompts, store, run, max_new=64)
         if engine == "vllm":
             from eagle3q.dev.vllm_engine import eagle3_args, start_engine
-            from eagle3q.eagle3.served_eval import served_acceptance
+            from eagle3q.evaluation.served import served_acceptance
 
             table["vllm"] = {}
             for k in SERVED_KS:

@@ -28,11 +28,11 @@ from common import report, tiny_target, workdir
 
 from eagle3q.config import Settings
 from eagle3q.dev.samples import write_samples
-from eagle3q.eagle3.evaluate import OOD, acceptance_by_set, ood_prompt_sets, with_ood
-from eagle3q.eagle3.peer_export import export_data
+from eagle3q.evaluation.offline import OOD, acceptance_by_set, ood_prompt_sets, with_ood
 from eagle3q.generate.profiles import KIMI_K2
 from eagle3q.generate.templates import render_prompt
 from eagle3q.generate.tokenizer import load_tokenizer
+from eagle3q.interop.peer_formats import export_data
 from eagle3q.prompt_keys import prompt_key
 from eagle3q.sources import Prompt
 from eagle3q.stages.train import train_run

@@ -23,8 +23,8 @@ from common import report, workdir
 
 from eagle3q.config import Settings
 from eagle3q.dev.s3_local import S3Server
-from eagle3q.eagle3.manifest import load_or_create
-from eagle3q.eagle3.training import train_draft
+from eagle3q.draft.manifest import load_or_create
+from eagle3q.draft.training import train_draft
 from eagle3q.store import Store
 from eagle3q.store.run_store import VOCAB
 

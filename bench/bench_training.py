@@ -13,10 +13,10 @@ import torch
 from common import report, workdir
 
 from eagle3q.config import Settings
-from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
-from eagle3q.eagle3.manifest import load_or_create
-from eagle3q.eagle3.training import TargetHead, load_batch, make_model, plan_epoch, train_draft, ttt_loss
-from eagle3q.eagle3.vocab import build_vocab
+from eagle3q.draft.manifest import load_or_create
+from eagle3q.draft.training import TargetHead, load_batch, make_model, plan_epoch, train_draft, ttt_loss
+from eagle3q.draft.vocab import build_vocab
+from eagle3q.extraction.transformers_backend import TransformersExtractor, to_safetensors
 from eagle3q.store import Store
 from eagle3q.store.run_store import EXPORT, RESULT, VOCAB
 

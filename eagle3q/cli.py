@@ -45,7 +45,7 @@ def enqueue(
     from eagle3q.celery.app import make_app
     from eagle3q.config import get_settings
     from eagle3q.contract import check_run_name
-    from eagle3q.eagle3.estimate import estimate_for_run
+    from eagle3q.extraction.estimate import estimate_for_run
     from eagle3q.producer import EnqueueOptions, SettingsError
     from eagle3q.producer import enqueue as do_enqueue
     from eagle3q.sources import DatasetError
@@ -221,11 +221,11 @@ def vocab(
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from a run's training split by hand (freezes its manifest)."""
     from eagle3q.config import get_settings
-    from eagle3q.eagle3.manifest import load_or_create
-    from eagle3q.eagle3.target import target_config
-    from eagle3q.eagle3.vocab import build_vocab
+    from eagle3q.draft.manifest import load_or_create
+    from eagle3q.draft.vocab import build_vocab
     from eagle3q.store import Store
     from eagle3q.store.run_store import VOCAB
+    from eagle3q.target import target_config
 
     s = get_settings()
     store = Store.from_settings(s)
@@ -298,7 +298,7 @@ def eval_draft(
     speculating with the export, and the acceptance it reports."""
 
     from eagle3q.config import get_settings
-    from eagle3q.eagle3.evaluate import (
+    from eagle3q.evaluation.offline import (
         HELD_OUT,
         OOD,
         acceptance_by_set,
@@ -346,7 +346,7 @@ def eval_draft(
     served_pos: dict[str, list[float]] = {}
     served_k = None
     if server:
-        from eagle3q.eagle3.served_eval import ServedAcceptance, served_acceptance
+        from eagle3q.evaluation.served import ServedAcceptance, served_acceptance
 
         key = s.vllm_api_key.get_secret_value() if s.vllm_api_key else None
         got = {}
@@ -389,7 +389,7 @@ def export_data_cmd(
     training rows first; SpecForge: train/ and eval/ data_{i}.ckpt), with the held-out split and the vocabulary in
     the peer's own files; streaming and resumable. Prints the peer's flags that read the split."""
     from eagle3q.config import get_settings
-    from eagle3q.eagle3.peer_export import ExportError, export_data
+    from eagle3q.interop.peer_formats import ExportError, export_data
     from eagle3q.store import Store
 
     s = get_settings()
@@ -415,7 +415,7 @@ def check_extraction_cmd(
     (EAGLE3Q_HS_VLLM_BASE_URL), printed raw, with the layer count, shapes and the consistency figure; exit 1 when a
     check fails."""
     from eagle3q.config import get_settings
-    from eagle3q.eagle3.first_contact import check_extraction
+    from eagle3q.extraction.first_contact import check_extraction
 
     if not check_extraction(get_settings(), typer.echo, run):
         raise typer.Exit(1)

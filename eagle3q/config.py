@@ -112,12 +112,12 @@ class Settings(BaseSettings):
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     token_budget: int = 16384  # tokens per forward (padded batch size x longest)
     # "transformers": the target in this process; "vllm": a vLLM serving it with extract_hidden_states and the
-    # ExampleHiddenStatesConnector (eagle3q.eagle3.vllm_extract), writing to a directory this worker can read.
+    # ExampleHiddenStatesConnector (eagle3q.extraction.vllm_backend), writing to a directory this worker can read.
     hs_backend: Literal["transformers", "vllm"] = "transformers"
     hs_vllm_base_url: str = "http://localhost:8001/v1"
     hs_vllm_concurrency: int = 8  # requests in flight per hidden-state worker
     hs_vllm_timeout_s: float = 600.0
-    # The consistency check (eagle3q.eagle3.consistency): on this many generated positions a sample, the final state
+    # The consistency check (eagle3q.extraction.consistency): on this many generated positions a sample, the final state
     # through the target's norm and LM head must predict the next token at least `hs_check_min` of the time
     # (`hs_check_min_greedy` for a sample generated at temperature 0), or the sample is rejected as hs_inconsistent.
     # 0 = off (needed where the samples are not the target's own text, such as the simulator's word bank).
@@ -125,7 +125,7 @@ class Settings(BaseSettings):
     hs_check_min: float = 0.4
     hs_check_min_greedy: float = 0.8
     # How the store keeps the states: bf16, or fp8 (e4m3 with a float32 scale per token and layer: half the bytes,
-    # eagle3q.eagle3.fp8); training and export-data read both.
+    # eagle3q.store.fp8); training and export-data read both.
     hs_dtype: Literal["bf16", "fp8"] = "bf16"
     # The connector's shared_storage_path as this machine sees it (only for `status`: its backlog and bytes).
     hs_connector_dir: str = ""
@@ -152,7 +152,7 @@ class Settings(BaseSettings):
     # an object store each sample is a round trip, and without this the trainer would wait for every one.
     train_read_ahead: int = 16
     init_lm_head: bool = True  # the draft's LM head and final norm start as the target's (draft-vocab rows)
-    # The draft's norms (eagle3q.eagle3.model.NORM_LAYOUTS): speculators' three (an RMSNorm over the aux states
+    # The draft's norms (eagle3q.draft.model.NORM_LAYOUTS): speculators' three (an RMSNorm over the aux states
     # before fc, the hidden state normed before the residual, the next TTT step fed the normed output), which vLLM
     # runs and which measured better out of domain (docs/performance.md); or EAGLE-3's original layout, for a
     # server that reads only that one.

@@ -68,7 +68,7 @@ def snapshot(ledger: Ledger, run: str) -> dict:
             "server_too_old": c.stats.get("server_too_old", 0),
             "resent_lost": c.stats.get("resent_lost", 0),
         }
-        if c.stats.get("hs_checked"):  # the hidden-state consistency check (eagle3q.eagle3.consistency)
+        if c.stats.get("hs_checked"):  # the hidden-state consistency check (eagle3q.extraction.consistency)
             n = c.stats["hs_checked"]
             out["stages"][name]["consistency"] = {"checked": n,
                                                   "mean_top1": round(c.stats.get("hs_check_milli", 0) / n / 1000, 3),

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hidden_store(tiny: Path, root: Path, hs_dtype: str) -> Store:
-    from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
+    from eagle3q.extraction.transformers_backend import TransformersExtractor, to_safetensors
 
     store = Store(root)
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")

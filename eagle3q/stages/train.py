@@ -1,4 +1,4 @@
-"""The training stage: the run lock, idempotence and progress around `eagle3q.eagle3.training.train_draft`.
+"""The training stage: the run lock, idempotence and progress around `eagle3q.draft.training.train_draft`.
 
 Exactly once: the task is sent only by the ledger's trigger (`SET fired NX`); a redelivered copy (worker lost
 mid-training) resumes from the store's last checkpoint, on whichever machine it lands, and one arriving after the
@@ -14,8 +14,8 @@ from dataclasses import fields
 from eagle3q.config import Settings
 from eagle3q.control.ledger import Ledger
 from eagle3q.control.locks import RunLock, TrainingBusy
-from eagle3q.eagle3.manifest import load_or_create, split_report
-from eagle3q.eagle3.training import TrainResult, train_draft
+from eagle3q.draft.manifest import load_or_create, split_report
+from eagle3q.draft.training import TrainResult, train_draft
 from eagle3q.store import Store
 from eagle3q.store.run_store import EXPORT, RESULT
 
@@ -41,7 +41,7 @@ def train_run(run: str, s: Settings, store: Store, ledger: Ledger | None = None,
         # Frozen by the first trainer: a resumed one continues the same files, split, order and vocab.
         manifest = load_or_create(store, run, s.val_fraction)
         if s.train_processes > 1:  # torchrun ranks; this process keeps the lock renewed meanwhile
-            from eagle3q.eagle3.distributed import launch, settings_env
+            from eagle3q.draft.distributed import launch, settings_env
 
             env = {**settings_env(s), "EAGLE3Q_STORE_URL": store.url,
                    "EAGLE3Q_TARGET_MODEL": target_dir or s.target_model, "EAGLE3Q_TRAIN_PROCESSES": "1",

@@ -101,24 +101,35 @@ class LocalBlobs:
     def put(self, key: str, data: bytes) -> None:
         write_atomic(self.path(key), data)
 
+    def _failed(self, e: OSError, key: str) -> OSError:
+        """A missing file stays FileNotFoundError; anything else (a file where a directory should be, permissions,
+        an I/O error) is the store failing, retried as StoreError."""
+        if isinstance(e, FileNotFoundError):
+            return e
+        return StoreError(e.errno, f"cannot read {self.path(key)}: {e.strerror or e}")
+
     def get(self, key: str) -> bytes:
         try:
             return self.path(key).read_bytes()
-        except FileNotFoundError:
-            raise
         except OSError as e:
-            raise StoreError(e.errno, f"cannot read {self.path(key)}: {e.strerror or e}") from e
+            raise self._failed(e, key) from e
 
     def get_prefix(self, key: str, length: int) -> tuple[bytes, int]:
-        with self.path(key).open("rb") as f:
-            return f.read(length), os.fstat(f.fileno()).st_size
+        try:
+            with self.path(key).open("rb") as f:
+                return f.read(length), os.fstat(f.fileno()).st_size
+        except OSError as e:
+            raise self._failed(e, key) from e
 
     def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         out = []
-        with self.path(key).open("rb") as f:
-            for start, end in ranges:
-                f.seek(start)
-                out.append(f.read(end - start))
+        try:
+            with self.path(key).open("rb") as f:
+                for start, end in ranges:
+                    f.seek(start)
+                    out.append(f.read(end - start))
+        except OSError as e:
+            raise self._failed(e, key) from e
         return out
 
     def size(self, key: str) -> int | None:
@@ -126,6 +137,8 @@ class LocalBlobs:
             return self.path(key).stat().st_size
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise self._failed(e, key) from e
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
         base = self.path(prefix)
@@ -140,7 +153,10 @@ class LocalBlobs:
                     continue
 
     def delete(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise self._failed(e, key) from e
 
     def check(self, write: bool) -> None:
         try:

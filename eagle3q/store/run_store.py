@@ -209,7 +209,8 @@ class Store:
     def artifact_names(self, run: str, prefix: str) -> list[str]:
         """Names under `train/<prefix>/` (relative to train/)."""
         base = self.artifact_key(run, "")
-        return sorted(k[len(base):] for k, _ in self.blobs.list(f"{base}{prefix.strip('/')}/"))
+        folder = f"{base}{prefix.strip('/')}/" if prefix.strip("/") else base
+        return sorted(k[len(base):] for k, _ in self.blobs.list(folder))
 
     def put_dir(self, run: str, prefix: str, local: Path) -> int:
         """Copy a local directory's files under train/<prefix>/ (those whose size changed): how TensorBoard's

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle3q.eagle3.vllm_extract import wait_for_lock
+from eagle3q.extraction.vllm_backend import wait_for_lock
 from eagle3q.sim.hidden_states import ConnectorWriter
 from tests.conformance.vllm_server import VLLM_PYTHON
 

@@ -12,7 +12,7 @@ import pytest
 
 from eagle3q.dev.local import free_port
 from eagle3q.dev.tiny import build_served_model
-from eagle3q.eagle3.model import NORM_LAYOUTS
+from eagle3q.draft.model import NORM_LAYOUTS
 from tests.conformance.vllm_server import VLLM_PYTHON
 from tests.drafts import random_export
 

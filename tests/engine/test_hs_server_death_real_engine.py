@@ -15,8 +15,8 @@ import pytest
 from eagle3q.dev.local import LocalStack
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.dev.vllm_engine import Engine, extraction_args, start_engine
-from eagle3q.eagle3.extract import default_aux_ids
-from eagle3q.eagle3.vllm_extract import ServerError, VllmExtractor
+from eagle3q.extraction.transformers_backend import default_aux_ids
+from eagle3q.extraction.vllm_backend import ServerError, VllmExtractor
 from tests.engine.conftest import MODEL
 
 

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from eagle3q.dev.local import LocalStack, child_env
 from eagle3q.dev.tiny import SAMPLE_DATASET
 from eagle3q.dev.vllm_engine import Engine, eagle3_args, extraction_args, start_engine
-from eagle3q.eagle3.evaluate import heldout_prompts
-from eagle3q.eagle3.extract import TransformersExtractor, default_aux_ids
+from eagle3q.evaluation.offline import heldout_prompts
+from eagle3q.extraction.transformers_backend import TransformersExtractor, default_aux_ids
 from tests.engine.conftest import MODEL
 from tests.store_paths import hidden_file, load_hidden, train_dir
 

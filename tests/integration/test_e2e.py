@@ -47,7 +47,7 @@ def test_pipeline_to_trained_draft(stack_factory):  # noqa: ANN001
 def test_an_fp8_store_through_the_pipeline(stack_factory, tiny):  # noqa: ANN001
     """EAGLE3Q_HS_DTYPE=fp8 from enqueue to the export: every file fp8 and checked for consistency on what it
     stores, `status` measuring about half bf16's bytes a token, and the trainer reading the files restored."""
-    from eagle3q.eagle3.estimate import bytes_per_token
+    from eagle3q.extraction.estimate import bytes_per_token
     from eagle3q.status import snapshot
     from eagle3q.store.hidden_format import stored_dtype
 

@@ -40,7 +40,7 @@ def _store(s3: S3Server, prefix: str) -> Store:
 def test_objects_are_whole_or_absent_and_ranges_read_the_header_only(s3: S3Server, tiny: Path) -> None:
     """A reader racing a writer of an 11 MB object (a multipart upload) gets one complete version or nothing, never a
     part; the hidden-state header and token ids come back through ranged reads."""
-    from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
+    from eagle3q.extraction.transformers_backend import TransformersExtractor, to_safetensors
 
     store = _store(s3, "whole")
     big = [bytes([i]) * (11 << 20) for i in (1, 2)]
@@ -156,8 +156,8 @@ def test_pipeline_on_s3_through_refused_puts_and_a_killed_server(s3: S3Server, s
     out = subprocess.run([*cli, "fetch-export", str(dest), "--run", run], env=child_env(stack.env), text=True,
                          capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    from eagle3q.eagle3.export import load_exported
-    from eagle3q.eagle3.target import load_target_tensors
+    from eagle3q.draft.export import load_exported
+    from eagle3q.target import load_target_tensors
 
     model, cfg, _, _ = load_exported(dest, load_target_tensors(tiny)["embed"])
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -175,8 +175,8 @@ def test_a_trainer_killed_resumes_from_the_buckets_checkpoint_on_the_same_schedu
     from safetensors.torch import load
 
     from eagle3q.dev.samples import write_samples
-    from eagle3q.eagle3.manifest import load_or_create
-    from eagle3q.eagle3.training import train_draft
+    from eagle3q.draft.manifest import load_or_create
+    from eagle3q.draft.training import train_draft
     from eagle3q.sources import Prompt, iter_prompts
     from eagle3q.stages.train import train_run
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 from eagle3q.dev.tiny import SAMPLE_DATASET
-from eagle3q.eagle3.extract import TransformersExtractor
+from eagle3q.extraction.transformers_backend import TransformersExtractor
 from tests.store_paths import hidden_file, load_hidden, run_dir
 
 
@@ -93,7 +93,7 @@ def test_an_extraction_server_that_drops_kimis_final_layer_is_refused(stack_fact
     import pytest
 
     from eagle3q.dev.local import start_sim
-    from eagle3q.eagle3.vllm_extract import VllmExtractor, final_layer_floor
+    from eagle3q.extraction.vllm_backend import VllmExtractor, final_layer_floor
     from eagle3q.generate.endpoints import ServerTooOld
 
     kimi = _kimi_shaped(tiny, tmp_path / "kimi")

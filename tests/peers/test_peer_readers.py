@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle3q.eagle3.peer_export import export_data
-from eagle3q.eagle3.target import load_target_tensors, target_config
+from eagle3q.interop.peer_formats import export_data
+from eagle3q.target import load_target_tensors, target_config
 from tests.store_paths import hidden_files
 
 
@@ -133,7 +133,7 @@ def test_vocab_mapping_is_the_peers_bit_for_bit(hidden_run, tiny):  # noqa: ANN0
     from specforge.data.preprocessing import process_token_dict_to_mappings
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    from eagle3q.eagle3.vocab import build_mapping, count_tokens
+    from eagle3q.draft.vocab import build_mapping, count_tokens
 
     vocab = int(target_config(tiny)["vocab_size"])
     counts = count_tokens(hidden_run, "r", hidden_run.hidden_ids("r"), vocab)
@@ -153,7 +153,7 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3q.eagle3.export import load_exported
+    from eagle3q.draft.export import load_exported
     from tests.drafts import random_export
 
     convert = Eagle3Converter().convert
@@ -194,7 +194,7 @@ def test_speculators_converter_and_model_give_our_logits(tiny, tmp_path):  # noq
 def _ttt_logits(theirs, ours, vocab: int, hidden: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
     """Our draft's and speculators' Eagle3DraftModel's logits over three teacher-forced TTT steps (fp32) on the same
     random tokens and aux states, each step's rows that are not padding: [(ours, theirs)] per step."""
-    from eagle3q.eagle3.training import _shift
+    from eagle3q.draft.training import _shift
 
     t = 129  # its flex-attention masks come in blocks of 128 rows
     torch.manual_seed(seed)
@@ -226,7 +226,7 @@ def test_speculators_hidden_state_client_accepts_our_simulator(tiny, tmp_path): 
     from speculators.data_generation.vllm_client import generate_hidden_states
 
     from eagle3q.dev.local import start_sim
-    from eagle3q.eagle3.extract import TransformersExtractor
+    from eagle3q.extraction.transformers_backend import TransformersExtractor
 
     proc, url = start_sim(str(tiny), tmp_path / "logs",
                           extra=["--target-model", str(tiny), "--hs-dir", str(tmp_path / "connector")])
@@ -252,8 +252,8 @@ def test_the_vllm_backend_reads_hs_connectors_fp8_connector_files(tiny, tmp_path
     from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
     from safetensors.torch import save_file
 
-    from eagle3q.eagle3.extract import TransformersExtractor
-    from eagle3q.eagle3.vllm_extract import connector_states
+    from eagle3q.extraction.transformers_backend import TransformersExtractor
+    from eagle3q.extraction.vllm_backend import connector_states
 
     ex = TransformersExtractor(str(tiny), None, "cpu", "float32")
     ids = list(range(5, 69))
@@ -285,8 +285,8 @@ def test_the_peers_read_the_held_out_split_and_the_vocabulary(hidden_run, tmp_pa
     from speculators.train.cli import parse_vocab_mappings
     from speculators.train.data import ArrowDataset
 
-    from eagle3q.eagle3.manifest import entry_for, is_validation
-    from eagle3q.eagle3.vocab import build_mapping, count_tokens
+    from eagle3q.draft.manifest import entry_for, is_validation
+    from eagle3q.draft.vocab import build_mapping, count_tokens
     from tests.store_paths import load_hidden
 
     files = hidden_files(hidden_run, "r")
@@ -336,7 +336,7 @@ def test_speculators_trainer_runs_on_our_export_and_eval_reads_its_draft(hidden_
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle3q.dev.speculators_cpu import train
-    from eagle3q.eagle3.export import load_exported
+    from eagle3q.draft.export import load_exported
 
     data = tmp_path / "export"
     export_data(hidden_run, "r", "speculators", data, str(tiny), progress=False, val_fraction=0.0,

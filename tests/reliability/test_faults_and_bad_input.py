@@ -85,11 +85,12 @@ def test_unwritable_store_is_retried_never_acknowledged(stack_factory, tmp_path:
     """The store fails after the worker started (a mount lost mid-run; at start the worker refuses it, see
     test_store_s3): every write is retried, counted and loud, and nothing is marked until it is back."""
     blocked = tmp_path / "store-blocked"
-    stack = stack_factory(env={"EAGLE3Q_STORE_DIR": str(blocked)})
+    # The first answers come a second after the prompts are sent: the store is gone by then.
+    stack = stack_factory(env={"EAGLE3Q_STORE_DIR": str(blocked)}, sim_args=["--ttft", "1.0"])
     w = stack.worker("inference", concurrency=4)
+    stack.enqueue(SAMPLE_DATASET, "disk", max_samples=8)
     blocked.rmdir()
     blocked.write_text("a file where the store directory should be")  # root ignores permissions; this it cannot
-    stack.enqueue(SAMPLE_DATASET, "disk", max_samples=8)
     deadline = time.monotonic() + 60
     while stack.ledger.counts("disk", "inference").stats.get("store_errors", 0) < 8 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -79,8 +79,8 @@ def test_greedy_runs_send_a_repeated_prompt_once_and_sampled_runs_send_all(redis
 
 
 def test_the_split_keeps_every_repeat_of_a_prompt_on_one_side(tiny, tmp_path):  # noqa: ANN001
-    from eagle3q.eagle3.extract import Extracted, to_safetensors
-    from eagle3q.eagle3.manifest import load_or_create, split_report
+    from eagle3q.draft.manifest import load_or_create, split_report
+    from eagle3q.extraction.transformers_backend import Extracted, to_safetensors
     from eagle3q.store import Store
 
     store = Store(tmp_path)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3q.eagle3.consistency import ConsistencyCheck, check_positions
-from eagle3q.eagle3.extract import TransformersExtractor
+from eagle3q.extraction.consistency import ConsistencyCheck, check_positions
+from eagle3q.extraction.transformers_backend import TransformersExtractor
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_text_that_never_emits_a_structural_token_still_agrees(tiny: Path, check
 
 
 def test_a_sampled_sample_has_the_lower_threshold(tiny: Path) -> None:
-    from eagle3q.eagle3.consistency import Agreement
+    from eagle3q.extraction.consistency import Agreement
 
     c = ConsistencyCheck(tiny, min_agreement=0.4, min_greedy=0.8)
     assert c.passes(Agreement(0.6, 32), greedy=False) and not c.passes(Agreement(0.6, 32), greedy=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3q.eagle3.extract import (
+from eagle3q.extraction.transformers_backend import (
     TransformersExtractor,
     check_aux_ids,
     check_tensors,
@@ -35,7 +35,7 @@ def test_layer_id_conventions():
 
 
 def test_rope_settings_come_from_the_target_in_both_config_layouts():
-    from eagle3q.eagle3.model import DraftConfig
+    from eagle3q.draft.model import DraftConfig
 
     base = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1000}
     v4 = DraftConfig.from_target({**base, "rope_theta": 50000.0,
@@ -72,7 +72,7 @@ def test_aux_ids_are_vllm_ids(extractor):  # noqa: ANN001
 def test_final_state_is_before_the_norm_and_the_norm_recovers_what_the_head_reads(extractor, tiny):  # noqa: ANN001
     """What vLLM's extraction returns: the last layer's output before the final norm. Applying the norm gives
     transformers' last hidden state (what the LM head reads) and the target's own logits."""
-    from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+    from eagle3q.target import final_norm, load_target_tensors, target_config
 
     ids = list(range(7, 40))
     outputs = {}
@@ -146,7 +146,7 @@ def test_fp8_files_hold_half_the_bytes_and_restore_within_e4m3_rounding(extracto
     """EAGLE3Q_HS_DTYPE=fp8: e4m3 with a float32 scale per token and layer; read back as float32 within e4m3's
     rounding (3 mantissa bits: <= 1/16 of a value, and a scale's step near zero), the same ids and mask, and the
     size that `bytes_per_token` promises."""
-    from eagle3q.eagle3.estimate import bytes_per_token
+    from eagle3q.extraction.estimate import bytes_per_token
     from eagle3q.store.hidden_format import stored_dtype
 
     ids = list(range(7, 207))
@@ -188,7 +188,7 @@ def test_storage_estimate_from_local_dir_and_hub_cache(tiny, tmp_path, monkeypat
     import shutil
 
     from eagle3q.config import Settings
-    from eagle3q.eagle3.estimate import bytes_per_token, estimate_for_run
+    from eagle3q.extraction.estimate import bytes_per_token, estimate_for_run
 
     assert bytes_per_token(7168) == 2 * 7168 * 4 + 9  # Kimi-K2.5: ~57 KB per token
     assert bytes_per_token(7168, hs_dtype="fp8") == 7172 * 4 + 9  # and half that in fp8
@@ -219,7 +219,7 @@ def test_a_hub_id_in_the_local_cache_is_a_target_directory(tiny, tmp_path, monke
     is not cached names the fix."""
     import shutil
 
-    from eagle3q.eagle3.target import load_target_tensors, resolve_model_dir, target_config
+    from eagle3q.target import load_target_tensors, resolve_model_dir, target_config
 
     repo = tmp_path / "hub" / "models--acme--tiny"
     snap = repo / "snapshots" / "abc"

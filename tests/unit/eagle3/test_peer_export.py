@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3q.eagle3.extract import TransformersExtractor, to_safetensors
-from eagle3q.eagle3.peer_export import ExportError, export_data
-from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+from eagle3q.extraction.transformers_backend import TransformersExtractor, to_safetensors
+from eagle3q.interop.peer_formats import ExportError, export_data
+from eagle3q.target import final_norm, load_target_tensors, target_config
 from tests.store_paths import hidden_file, load_hidden
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from eagle3q.eagle3.served_eval import spec_counters
+from eagle3q.evaluation.served import spec_counters
 
 
 def _exposition(drafts: list[int], accepted: list[int], per_pos: list[list[int]]) -> str:

@@ -11,16 +11,16 @@ import torch
 from eagle3q.config import Settings
 from eagle3q.dev.samples import write_samples
 from eagle3q.dev.tiny import SAMPLE_DATASET
-from eagle3q.eagle3.export import MIDLAYER_KEYS, REQUIRED_KEYS, aux_ids_as_vllm_reads, load_exported
-from eagle3q.eagle3.extract import to_safetensors
-from eagle3q.eagle3.model import NORM_FLAGS
-from eagle3q.eagle3.target import load_target_tensors
-from eagle3q.eagle3.vocab import build_mapping, coverage, draft_to_target
+from eagle3q.draft.export import MIDLAYER_KEYS, REQUIRED_KEYS, aux_ids_as_vllm_reads, load_exported
+from eagle3q.draft.model import NORM_FLAGS
+from eagle3q.draft.vocab import build_mapping, coverage, draft_to_target
+from eagle3q.extraction.transformers_backend import to_safetensors
 from eagle3q.generate.profiles import KIMI_K2
 from eagle3q.generate.templates import render_prompt
 from eagle3q.sources import Prompt, iter_prompts
 from eagle3q.stages.train import train_run
 from eagle3q.store import Store
+from eagle3q.target import load_target_tensors
 from tests.store_paths import train_dir
 
 
@@ -98,7 +98,7 @@ def test_train_export_resume_and_quality(tiny, tmp_path):  # noqa: ANN001
 def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path):  # noqa: ANN001
     """The bar a bigram-level draft fails: on prompts from rows never trained on, the trained draft's acceptance
     length is clearly above a table of each token's most common successor (no network at all)."""
-    from eagle3q.eagle3.evaluate import acceptance_table, heldout_prompts
+    from eagle3q.evaluation.offline import acceptance_table, heldout_prompts
 
     store = Store(tmp_path / "store")
     make_run(tiny, store, "q", n=240)  # the bundled data set, trained as the demo trains it
@@ -121,7 +121,7 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
     assert r.curves == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # out-of-domain prompts, by category: the group is the pooled rounds of its members, not a mean of means
-    from eagle3q.eagle3.evaluate import OOD, acceptance_by_set, ood_prompt_sets, plot_positions, with_ood
+    from eagle3q.evaluation.offline import OOD, acceptance_by_set, ood_prompt_sets, plot_positions, with_ood
 
     ood = ood_prompt_sets(str(tiny), "kimi_k2", True)
     assert set(ood) == {"chat", "code", "math", "writing", "multi-turn"} and sum(map(len, ood.values())) == 64
@@ -135,8 +135,8 @@ def test_trained_draft_beats_the_bigram_table_on_held_out_prompts(tiny, tmp_path
     # mean length = 1 + the sum of the per-position rates (every accepted draft counted at its position)
     assert res[OOD].mean["trained"][3] == pytest.approx(1 + sum(rates), abs=2e-3)
     # the replay on the greedy path gives the rounds a verify forward per round gives (the loop vLLM runs)
-    from eagle3q.eagle3.evaluate import TargetRunner, _target, acceptance_rounds, draft_proposer
-    from eagle3q.eagle3.export import load_exported
+    from eagle3q.draft.export import load_exported
+    from eagle3q.evaluation.offline import TargetRunner, _target, acceptance_rounds, draft_proposer
 
     model, tensors = _target(str(tiny))
     draft, cfg, d2t, _ = load_exported(Path(r.export_dir), tensors["embed"])
@@ -165,8 +165,8 @@ def sim_prompt(tiny, text: str) -> list[int]:  # noqa: ANN001
 
 
 def test_batches_pack_by_tokens_and_every_sample_trains_once_per_epoch():
-    from eagle3q.eagle3.manifest import Entry
-    from eagle3q.eagle3.training import plan_epoch
+    from eagle3q.draft.manifest import Entry
+    from eagle3q.draft.training import plan_epoch
 
     entries = tuple(Entry(f"{i:032x}", n, f"d:{i}") for i, n in enumerate([100, 700, 300, 2500, 50, 400, 800]))
     for epoch in range(3):
@@ -178,7 +178,7 @@ def test_batches_pack_by_tokens_and_every_sample_trains_once_per_epoch():
 
 
 def test_positions_whose_target_token_is_outside_the_draft_vocab_are_masked():
-    from eagle3q.eagle3.training import Batch, TargetHead
+    from eagle3q.draft.training import Batch, TargetHead
 
     torch.manual_seed(0)
     V, H, T = 50, 8, 12
@@ -195,8 +195,8 @@ def test_positions_whose_target_token_is_outside_the_draft_vocab_are_masked():
 
 
 def test_bigram_table_follows_the_most_common_successor(tmp_path):  # noqa: ANN001
-    from eagle3q.eagle3.evaluate import Bigram
-    from eagle3q.eagle3.extract import Extracted
+    from eagle3q.evaluation.offline import Bigram
+    from eagle3q.extraction.transformers_backend import Extracted
 
     ids = [1, 2, 3, 2, 3, 2, 4, 9]
     store = Store(tmp_path)
@@ -212,8 +212,8 @@ def test_resume_is_exact_while_hidden_states_keep_arriving(tiny, tmp_path):  # n
     trainer: same files, same batches in the same order, same steps, same weights as an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from eagle3q.eagle3.manifest import load_or_create
-    from eagle3q.eagle3.training import train_draft
+    from eagle3q.draft.manifest import load_or_create
+    from eagle3q.draft.training import train_draft
 
     class Killed(Exception):
         pass

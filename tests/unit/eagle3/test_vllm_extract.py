@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from eagle3q.eagle3.vllm_extract import ServerError, VllmExtractor, wait_for_lock
+from eagle3q.extraction.vllm_backend import ServerError, VllmExtractor, wait_for_lock
 
 
 def test_connector_files_are_checked_before_use(tiny):  # noqa: ANN001
@@ -49,7 +49,7 @@ def test_status_counts_the_connectors_backlog(tmp_path):  # noqa: ANN001
 
 
 def test_the_breaker_fails_fast_while_the_server_is_down(tiny):  # noqa: ANN001
-    from eagle3q.eagle3.vllm_extract import Breaker
+    from eagle3q.extraction.vllm_backend import Breaker
 
     now = [0.0]
     b = Breaker(threshold=3, cooldown_s=10, clock=lambda: now[0])

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from eagle3q.config import Settings
-from eagle3q.eagle3.target import text_config
+from eagle3q.target import text_config
 
 BF16 = 2
 

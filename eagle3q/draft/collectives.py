@@ -1,5 +1,5 @@
 """The collectives the trainer calls, single-process no-ops: the rank and world size, and the sums across ranks of
-gradients and of reported floats (`eagle3q.eagle3.distributed` starts the ranks; `training` only calls these)."""
+gradients and of reported floats (`eagle3q.draft.distributed` starts the ranks; `training` only calls these)."""
 
 from __future__ import annotations
 

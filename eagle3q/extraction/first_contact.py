@@ -54,9 +54,9 @@ def _stored(s: Settings, run: str) -> tuple[list[int], list[int], bool]:
 def check_extraction(s: Settings, say: Callable[[str], None], run: str | None = None) -> bool:
     import torch
 
-    from eagle3q.eagle3.consistency import ConsistencyCheck
-    from eagle3q.eagle3.extract import check_tensors
-    from eagle3q.eagle3.vllm_extract import VllmExtractor
+    from eagle3q.extraction.consistency import ConsistencyCheck
+    from eagle3q.extraction.transformers_backend import check_tensors
+    from eagle3q.extraction.vllm_backend import VllmExtractor
 
     key = s.vllm_api_key.get_secret_value() if s.vllm_api_key else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}

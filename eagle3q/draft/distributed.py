@@ -8,7 +8,7 @@ reports progress, writes checkpoints, TensorBoard and the export.
 
 The training task (`eagle3q.stages.train`) holds the run lock, freezes the manifest and, with
 `EAGLE3Q_TRAIN_PROCESSES` > 1, starts `python -m torch.distributed.run --standalone --nproc-per-node N -m
-eagle3q.eagle3.distributed RUN` and waits; every rank reads the manifest and the samples from the store
+eagle3q.draft.distributed RUN` and waits; every rank reads the manifest and the samples from the store
 (EAGLE3Q_STORE_URL, passed on), and rank 0 leaves its result there (train/ddp-result.json).
 """
 
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from eagle3q.eagle3.collectives import is_main, rank_and_world
+from eagle3q.draft.collectives import is_main, rank_and_world
 from eagle3q.store import Store
 from eagle3q.store.run_store import DDP_RESULT
 
@@ -43,21 +43,21 @@ def launch(store: Store, run: str, processes: int, env: dict[str, str] | None = 
     """Run the ranks (the caller holds the run lock and has written the manifest); rank 0's result."""
     store.delete_artifact(run, DDP_RESULT)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-            "-m", "eagle3q.eagle3.distributed", run]
+            "-m", "eagle3q.draft.distributed", run]
     subprocess.run(args, check=True, env={**os.environ, **(env or {})})
     return store.get_json(run, DDP_RESULT)["result"]
 
 
 def main(argv: list[str]) -> None:
-    """One rank: `python -m eagle3q.eagle3.distributed RUN` under torchrun."""
+    """One rank: `python -m eagle3q.draft.distributed RUN` under torchrun."""
     import logging
 
     import torch.distributed as dist
 
     from eagle3q.config import get_settings
     from eagle3q.control.ledger import Ledger
-    from eagle3q.eagle3.manifest import load
-    from eagle3q.eagle3.training import train_draft
+    from eagle3q.draft.manifest import load
+    from eagle3q.draft.training import train_draft
 
     run = argv[0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-log = logging.getLogger("eagle3q.plots")
+log = logging.getLogger("eagle3q.evaluation.plots")
 
 
 def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, or None

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
+from eagle3q.target import final_norm, load_target_tensors, target_config
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from eagle3q.eagle3.model import NORM_LAYOUTS, Eagle3Draft
+from eagle3q.draft.model import NORM_LAYOUTS, Eagle3Draft
 from eagle3q.store.safetensors_format import header_length, parse_header
 
 

@@ -6,7 +6,7 @@ so 1.0 means the draft never helps and k+1 is perfect (the ceiling: the target a
 
 Baselines in the same loop: a bigram table (no network: each token -> the token that follows it most often in the
 run's training samples), which any draft that uses the target's hidden states must beat, and an untrained draft.
-Prompts are held out: the prompt part of the run's validation samples (`eagle3q.eagle3.manifest`), never trained on.
+Prompts are held out: the prompt part of the run's validation samples (`eagle3q.draft.manifest`), never trained on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.model import Eagle3Draft
+from eagle3q.draft.model import Eagle3Draft
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _target(target_dir: str) -> tuple[object, dict[str, torch.Tensor]]:
     """The target model and its embedding / head tensors, loaded once for every draft measured against it."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3q.eagle3.target import load_target_tensors
+    from eagle3q.target import load_target_tensors
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     return model, load_target_tensors(target_dir)
@@ -207,7 +207,7 @@ def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001
     the server tokenized them."""
     import json
 
-    from eagle3q.eagle3.manifest import load
+    from eagle3q.draft.manifest import load
 
     m = load(store, run)
     out, seen = [], set()
@@ -225,7 +225,7 @@ def heldout_prompts(store, run: str, n: int) -> list[list[int]]:  # noqa: ANN001
 
 
 def bigram_for_run(store, run: str) -> Bigram:  # noqa: ANN001
-    from eagle3q.eagle3.manifest import load
+    from eagle3q.draft.manifest import load
 
     m = load(store, run)
     return Bigram.from_tokens(store.map_samples(lambda sid: store.hidden_tokens(run, sid),
@@ -242,16 +242,16 @@ def evaluate_proposer(target_dir: str, proposer: Proposer, aux_ids: list[int], p
 def evaluate(target_dir: str, export_dir: str | None, prompts: list[list[int]], ks: Sequence[int] = (1, 2, 3, 4, 5),
              max_new: int = 48, untrained_seed: int | None = None, draft_vocab_size: int = 32000) -> dict[int, float]:
     """Mean acceptance length per k for an exported draft, or (export_dir None) an untrained one as the baseline."""
-    from eagle3q.eagle3.export import load_exported
-    from eagle3q.eagle3.extract import default_aux_ids
-    from eagle3q.eagle3.target import target_config
+    from eagle3q.draft.export import load_exported
+    from eagle3q.extraction.transformers_backend import default_aux_ids
+    from eagle3q.target import target_config
 
     model, tensors = _target(target_dir)
     if export_dir is not None:
         draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])
         aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]  # what vLLM reads
     else:
-        from eagle3q.eagle3.model import DraftConfig
+        from eagle3q.draft.model import DraftConfig
 
         tcfg = target_config(target_dir)
         dc = DraftConfig.from_target(tcfg, draft_vocab_size)
@@ -317,8 +317,8 @@ def held_out_table(results: dict[str, SetResult], ks: Sequence[int],
 
 def plot_positions(results: dict[str, SetResult], served: dict[str, list[float]] | None = None) -> bytes | None:
     """The per-position acceptance at the largest k: the trained draft and the bigram table on the held-out and the
-    out-of-domain prompts, and vLLM's own where it was measured (eagle3q.plots), as PNG bytes."""
-    from eagle3q.plots import acceptance_by_position
+    out-of-domain prompts, and vLLM's own where it was measured (eagle3q.evaluation.plots), as PNG bytes."""
+    from eagle3q.evaluation.plots import acceptance_by_position
 
     series: dict[str, list[float]] = {}
     k = 0
@@ -370,7 +370,7 @@ def acceptance_by_set(target_dir: str, export_dir: str, sets: dict[str, list[lis
     out-of-domain category together), from one pass over every prompt per proposer and k. `others` (name ->
     export dir) are more drafts of the same target and aux layers, measured on the same greedy paths (the target's
     paths are computed once: most of the time for a few drafts)."""
-    from eagle3q.eagle3.export import load_exported
+    from eagle3q.draft.export import load_exported
 
     model, tensors = _target(target_dir)
     draft, cfg, d2t, _ = load_exported(Path(export_dir), tensors["embed"])

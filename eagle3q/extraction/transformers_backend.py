@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from eagle3q.eagle3.target import text_config
+from eagle3q.target import text_config
 
 log = logging.getLogger("eagle3q.hidden_states")
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3q.eagle3.target import text_config
+from eagle3q.target import text_config
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

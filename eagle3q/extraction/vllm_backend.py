@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from eagle3q.eagle3.extract import Extracted, check_aux_ids, default_aux_ids
-from eagle3q.eagle3.target import resolve_model_dir, target_config
+from eagle3q.extraction.transformers_backend import Extracted, check_aux_ids, default_aux_ids
 from eagle3q.generate.endpoints import ServerTooOld, parse_version
+from eagle3q.target import resolve_model_dir, target_config
 
 # vLLM's `deepseek_v2` backbone (DeepSeek-V3, Kimi-K2.x) captured aux states only at decoder-layer inputs, so the
 # final layer's output (id = num_hidden_layers) was dropped and the server returned one state fewer than configured

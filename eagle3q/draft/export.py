@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.model import NORM_FLAGS, DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
+from eagle3q.draft.model import NORM_FLAGS, DraftConfig, Eagle3Draft, rope_scaling_of, rope_theta_of
 from eagle3q.store import Store
 from eagle3q.store.run_store import EXPORT
 

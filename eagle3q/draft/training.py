@@ -1,5 +1,5 @@
 """EAGLE-3 draft training from stored hidden states: the training-time test (TTT) loss, the schedule, and the loop
-that turns a run's manifest (`eagle3q.eagle3.manifest`) into an exported draft. No Redis, no Celery:
+that turns a run's manifest (`eagle3q.draft.manifest`) into an exported draft. No Redis, no Celery:
 `eagle3q.stages.train` holds the run lock, the idempotence and the progress reports, and calls `train_draft`.
 
 - Batches: each epoch the training samples are shuffled (seeded by the epoch) and packed into batches of at most
@@ -36,17 +36,17 @@ from pathlib import Path
 import torch
 
 from eagle3q.config import Settings
-from eagle3q.eagle3.checkpoint import checkpoint_bytes, restore_checkpoint
-from eagle3q.eagle3.collectives import all_reduce_floats, all_reduce_grads, rank_and_world
-from eagle3q.eagle3.manifest import Entry, Manifest
-from eagle3q.eagle3.model import DraftConfig, Eagle3Draft
-from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
-from eagle3q.eagle3.vocab import build_vocab
-from eagle3q.plots import training_curves
+from eagle3q.draft.checkpoint import checkpoint_bytes, restore_checkpoint
+from eagle3q.draft.collectives import all_reduce_floats, all_reduce_grads, rank_and_world
+from eagle3q.draft.manifest import Entry, Manifest
+from eagle3q.draft.model import DraftConfig, Eagle3Draft
+from eagle3q.draft.vocab import build_vocab
+from eagle3q.evaluation.plots import training_curves
 from eagle3q.store import Store
 from eagle3q.store.hidden_format import decode, loss_positions
 from eagle3q.store.read_ahead import read_ahead
 from eagle3q.store.run_store import CHECKPOINT, CURVES, EXPORT, TENSORBOARD
+from eagle3q.target import final_norm, load_target_tensors, target_config
 
 log = logging.getLogger("eagle3q.train")
 Progress = Callable[..., None]  # progress(state=..., step=..., ...): reported to the ledger by the stage
@@ -67,8 +67,8 @@ class TrainResult:
     epochs: list[dict] = field(default_factory=list)  # per epoch: train and validation loss / acc / prefix_acc
     samples: int = 0
     val_samples: int = 0
-    split: dict = field(default_factory=dict)  # eagle3q.eagle3.manifest.split_report: prompts per side, repeats
-    curves: str | None = None  # the loss / accuracy PNG (eagle3q.plots), None without matplotlib
+    split: dict = field(default_factory=dict)  # eagle3q.draft.manifest.split_report: prompts per side, repeats
+    curves: str | None = None  # the loss / accuracy PNG (eagle3q.evaluation.plots), None without matplotlib
 
     def summary(self) -> str:
         last = self.epochs[-1] if self.epochs else {}
@@ -312,7 +312,7 @@ def reading_order(plans: list[list[list[int]]], starts: list[int], step: int, tr
 def train_draft(manifest: Manifest, store: Store, s: Settings, target_dir: str, progress: Progress,
                 log_every: int = 10) -> TrainResult:
     """Vocab mapping (from the training split), then training (resuming from the store's checkpoint), then the
-    export under the run's train/export in the store. Under torchrun (`eagle3q.eagle3.distributed`) each rank runs
+    export under the run's train/export in the store. Under torchrun (`eagle3q.draft.distributed`) each rank runs
     its share of every batch and rank 0 alone writes and reports."""
     run = manifest.run
     rank, world = rank_and_world()
@@ -411,7 +411,7 @@ def train_draft(manifest: Manifest, store: Store, s: Settings, target_dir: str, 
     if tb is not None:
         tb.close()
 
-    from eagle3q.eagle3.export import export_draft
+    from eagle3q.draft.export import export_draft
 
     curves = None
     if main:

@@ -16,7 +16,7 @@
 The held-out split goes with it, in each peer's convention: speculators splits by row order (`--train-data-ratio`),
 so the training samples come first and the export prints the ratio that puts the boundary at the first held-out
 row; SpecForge reads separate directories, `OUT/train` and `OUT/eval`. The split is the trainer's frozen one where
-the run was trained, else the same rule by prompt content (`eagle3q.eagle3.manifest`): no held-out prompt is in a
+the run was trained, else the same rule by prompt content (`eagle3q.draft.manifest`): no held-out prompt is in a
 peer's training part. The vocabulary too, from the training side: speculators' `token_freq.pt`, `d2t-N.npy` and
 `t2d-N.npy` in OUT (where its trainer looks for `--draft-vocab-size N`), SpecForge's `vocab_mapping.pt`.
 
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3q.eagle3.target import final_norm, load_target_tensors, target_config
 from eagle3q.store import Store, write_atomic
 from eagle3q.store.fp8 import SCALES_SUFFIX
 from eagle3q.store.hidden_format import stored_dtype
+from eagle3q.target import final_norm, load_target_tensors, target_config
 
 FORMATS = ("speculators", "specforge")
 MANIFEST = "eagle3q-export.json"
@@ -101,8 +101,8 @@ class _Order:
 
 def _held_out(store: Store, run: str, ids: list[str], val_fraction: float) -> set[str]:
     """The trainer's frozen split where the run was trained (its manifest), and the same rule, by prompt content
-    (eagle3q.eagle3.manifest), for samples it did not see."""
-    from eagle3q.eagle3.manifest import entries_for, is_validation, load
+    (eagle3q.draft.manifest), for samples it did not see."""
+    from eagle3q.draft.manifest import entries_for, is_validation, load
 
     frozen_val: set[str] = set()
     frozen: set[str] = set()
@@ -208,7 +208,7 @@ def _write_vocab(store: Store, run: str, out_dir: Path, fmt: str, train_ids: lis
     tests/peers). speculators: `token_freq.pt` (id -> count where the loss applies) and `d2t-N.npy` / `t2d-N.npy`
     in the data directory, where its trainer looks first; SpecForge: `vocab_mapping.pt` ({"d2t", "t2d"}, its
     model.vocab_mapping_path). None where neither the trainer's vocab nor the target's vocab size is known."""
-    from eagle3q.eagle3.vocab import build_mapping, count_tokens, load_vocab
+    from eagle3q.draft.vocab import build_mapping, count_tokens, load_vocab
 
     trained = load_vocab(store, run)
     if trained is not None:
