@@ -318,9 +318,10 @@ def eval_draft(
 
     s = get_settings()
     store = Store.from_settings(s)
-    scratch = Path(tempfile.mkdtemp(prefix="eagle3q-eval-"))
+    # An object store's export is copied to a scratch directory for the evaluation; a local store's is read in place.
+    scratch = None if export or store.is_local else Path(tempfile.mkdtemp(prefix="eagle3q-eval-"))
     try:
-        export_dir = str(export or store.local_dir(run, EXPORT, scratch / "export"))
+        export_dir = str(export or store.local_dir(run, EXPORT, (scratch or Path(".")) / "export"))
     except FileNotFoundError:
         typer.echo(f"error: run {run} has no export in {store.url} (not trained yet?)", err=True)
         raise typer.Exit(2) from None
@@ -374,7 +375,8 @@ def eval_draft(
     report = {"max_new": max_new, "held_out_table": table, "sets": {n: results[n].__dict__ for n in order},
               "served": {"k": served_k, "mean": served_means, "per_position": served_pos} if server else None}
     png = plot_positions(results, served_pos)
-    shutil.rmtree(scratch, ignore_errors=True)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     where = save_report(store, run, report, png, out)
     typer.echo(f"figures: {', '.join(where)}" + ("" if png else " (no plot: matplotlib not installed)"))
 
