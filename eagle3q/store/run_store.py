@@ -130,11 +130,6 @@ class Store:
     def hidden_ids(self, run: str) -> list[str]:
         return sorted(_stem(k) for k, _ in self.blobs.list(f"{run}/hidden/") if k.endswith(".safetensors"))
 
-    def hidden_usage(self, run: str) -> tuple[int, int]:
-        """(objects, bytes) of the run's hidden states, listed from the store itself."""
-        sizes = [n for k, n in self.blobs.list(f"{run}/hidden/") if k.endswith(".safetensors")]
-        return len(sizes), sum(sizes)
-
     def hidden_header(self, run: str, sample_id: str) -> Header:
         """The object's header (metadata, shapes, offsets): one ranged read, not the states."""
         return self._header(self.hidden_key(run, sample_id))[0]
