@@ -321,7 +321,7 @@ def eval_draft(
     # An object store's export is copied to a scratch directory for the evaluation; a local store's is read in place.
     scratch = None if export or store.is_local else Path(tempfile.mkdtemp(prefix="eagle3q-eval-"))
     try:
-        export_dir = str(export or store.local_dir(run, EXPORT, (scratch or Path(".")) / "export"))
+        export_dir = str(export or store.local_dir(run, EXPORT, scratch / "export" if scratch else None))
     except FileNotFoundError:
         typer.echo(f"error: run {run} has no export in {store.url} (not trained yet?)", err=True)
         raise typer.Exit(2) from None

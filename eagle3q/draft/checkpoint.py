@@ -9,7 +9,7 @@ import json
 import torch
 
 from eagle3q.draft.model import NORM_LAYOUTS, Eagle3Draft
-from eagle3q.store.safetensors_format import header_length, parse_header
+from eagle3q.store.safetensors_format import parse_header
 
 
 def checkpoint_bytes(model: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> bytes:
@@ -32,7 +32,7 @@ def restore_checkpoint(data: bytes, model: Eagle3Draft, opt: torch.optim.Optimiz
     """Load a checkpoint's bytes into the model and optimizer; the saved schedule state. `where`: for messages."""
     from safetensors.torch import load
 
-    state = json.loads(parse_header(data[:header_length(data)]).metadata["state"])
+    state = json.loads(parse_header(data).metadata["state"])
     tensors = load(data)
     # A checkpoint of another draft layout would load in part (its optimizer moments shifted onto other
     # parameters) and resume a different model: refuse it by name. Checkpoints from before the flags were

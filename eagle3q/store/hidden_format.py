@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from eagle3q.store.safetensors_format import Header, NotSafetensors, array, header_length, parse_header
+from eagle3q.store.safetensors_format import Header, NotSafetensors, array, parse_header
 
 HIDDEN_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_state")
 STATE_KEYS = ("aux_hidden_states", "hidden_state")
@@ -54,7 +54,7 @@ def decode(data: bytes, restore: bool = True) -> tuple[dict, str]:
 
     from eagle3q.store.fp8 import SCALES_SUFFIX, dequantize
 
-    header = parse_header(data[:header_length(data)])
+    header = parse_header(data)
     if len(data) != header.file_size:
         raise NotSafetensors(f"{len(data)} bytes, the header says {header.file_size}")
     loaded = load(bytes(data))
@@ -88,6 +88,6 @@ def tokens_from_bytes(header: Header, data: bytes):  # noqa: ANN201 - (ids, mask
 def loss_positions(data: bytes, max_len: int) -> int:
     """Positions of a sample that count at the first TTT step (generated input tokens, after the first), from its
     bytes without decoding its states."""
-    header = parse_header(data[:header_length(data)])
+    header = parse_header(data)
     _, mask = tokens_from_bytes(header, data)
     return int(mask[1:max_len].sum())

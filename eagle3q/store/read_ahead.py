@@ -11,9 +11,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
+from typing import TypeVar
 
+T = TypeVar("T")
 
-def read_ahead(fetch: Callable[[str], bytes], ids: Iterable[str], depth: int) -> Iterator[tuple[str, bytes]]:
+def read_ahead(fetch: Callable[[str], T], ids: Iterable[str], depth: int) -> Iterator[tuple[str, T]]:
     """(id, fetch(id)) in the order of `ids` (a lazy iterable is fine), at most `depth` fetched ahead. An error
     fetching one is raised when the consumer reaches it."""
     it = iter(ids)
@@ -22,7 +24,7 @@ def read_ahead(fetch: Callable[[str], bytes], ids: Iterable[str], depth: int) ->
             yield sid, fetch(sid)
         return
     pool = ThreadPoolExecutor(max_workers=min(depth, 16), thread_name_prefix="eagle3q-read-ahead")
-    window: deque[tuple[str, Future]] = deque()
+    window: deque[tuple[str, Future[T]]] = deque()
     try:
         for sid in islice(it, depth):
             window.append((sid, pool.submit(fetch, sid)))

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import eagle3q.store.hidden_format as hidden_format
-from eagle3q.store.blobs import Blobs, LocalBlobs, S3Options, open_blobs
+from eagle3q.store.blobs import Blobs, LocalBlobs, S3Options, open_blobs, write_atomic
+from eagle3q.store.read_ahead import read_ahead
 from eagle3q.store.records import Rejection, Sample
 from eagle3q.store.safetensors_format import HEADER_GUESS, Header, NotSafetensors, array, header_length, parse_header
 
@@ -169,13 +169,10 @@ class Store:
         return hidden_format.decode(self.hidden_bytes(run, sample_id), restore)
 
     def map_samples(self, fn: Callable[[str], T], ids: Iterable[str], threads: int = READ_THREADS) -> Iterator[T]:
-        """fn over ids, in order, `threads` requests in flight (each object on S3 is a round trip)."""
-        ids = list(ids)
-        if self.is_local or len(ids) < 2:
-            yield from map(fn, ids)
-            return
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3q-store") as pool:
-            yield from pool.map(fn, ids)
+        """fn over ids, in order, with `threads` requests in flight on an object store (each object there is a round
+        trip) and no more held ahead; serial on a local one."""
+        for _, result in read_ahead(fn, ids, 0 if self.is_local else threads):
+            yield result
 
     # --- the run's artifacts (train/) ---
     def put_artifact(self, run: str, name: str, data: bytes) -> None:
@@ -210,7 +207,7 @@ class Store:
     def put_dir(self, run: str, prefix: str, local: Path) -> int:
         """Copy a local directory's files under train/<prefix>/ (those whose size changed): how TensorBoard's
         event files, written locally as they grow, reach the store. Returns the files copied."""
-        have = {k: n for k, n in self.blobs.list(self.artifact_key(run, prefix.strip("/") + "/"))}
+        have = dict(self.blobs.list(self.artifact_key(run, prefix.strip("/") + "/")))
         copied = 0
         for p in sorted(x for x in local.rglob("*") if x.is_file()):
             key = self.artifact_key(run, f"{prefix.strip('/')}/{p.relative_to(local).as_posix()}")
@@ -224,16 +221,17 @@ class Store:
         names = self.artifact_names(run, prefix)
         if not names:
             raise FileNotFoundError(f"nothing under {self.artifact_url(run, prefix)}")
-        from eagle3q.store.blobs import write_atomic
-
         for name in names:
             write_atomic(dest / Path(name).relative_to(prefix.strip("/")), self.get_artifact(run, name))
         return dest
 
-    def local_dir(self, run: str, prefix: str, cache: Path) -> Path:
-        """A directory holding train/<prefix>/: the store's own where it is a directory, else a copy in `cache`."""
+    def local_dir(self, run: str, prefix: str, cache: Path | None) -> Path:
+        """A directory holding train/<prefix>/: the store's own where it is a directory, else a copy in `cache`
+        (which an object store needs)."""
         if isinstance(self.blobs, LocalBlobs):
             return self.blobs.path(self.artifact_key(run, prefix.strip("/")))
+        if cache is None:
+            raise ValueError(f"{self.url} is an object store: local_dir needs a directory to copy {prefix} into")
         return self.fetch_dir(run, prefix, cache)
 
 
